@@ -1,0 +1,126 @@
+"""Config files load and validate; overrides behave as users expect; mistakes get clear errors."""
+
+import glob
+import os
+
+import pytest
+from absl import flags
+from conftest import REPO, load_config
+
+from tfscale import config as tfs_config
+
+CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
+# Replica counts each recipe is written for (the file name says it).
+REPLICAS = {"r50_8gpu.py": 8, "r50_32gpu.py": 32}
+
+
+def parse(config_arg, *overrides):
+    """`--config=configs/NAME.py` plus overrides, parsed exactly as `tfscale.train` does."""
+    name = os.path.splitext(os.path.basename(config_arg.split("=", 1)[1]))[0]
+    return load_config(name, *overrides)
+
+
+def smoke(**overrides):
+    cfg = parse(f"--config={REPO}/configs/smoke.py")
+    for dotted, value in overrides.items():
+        node = cfg
+        *parents, leaf = dotted.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def test_config_files_exist():
+    names = {os.path.basename(p) for p in CONFIG_FILES}
+    assert {"smoke.py", "cifar_resnet20.py", "r50_1gpu.py", "r50_8gpu.py", "r50_32gpu.py"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+def test_every_config_loads_and_validates(path):
+    cfg = parse(f"--config={path}")
+    tfs_config.validate(cfg, num_replicas=REPLICAS.get(os.path.basename(path), 1))
+    steps = tfs_config.to_steps(cfg)
+    assert steps.train_steps >= 1 and steps.steps_per_epoch >= 1
+
+
+def test_r50_32gpu_is_the_goyal_recipe():
+    cfg = parse(f"--config={REPO}/configs/r50_32gpu.py")
+    assert cfg.model.name == "resnet50" and cfg.data.image_size == 224
+    assert cfg.data.global_batch_size == 4096 and cfg.data.global_batch_size // 32 == 128
+    assert cfg.optim.lr == pytest.approx(1.6)
+    assert (cfg.optim.momentum, cfg.optim.weight_decay) == (0.9, 1e-4)
+    assert (cfg.schedule.warmup, cfg.schedule.warmup_epochs) == ("gradual", 5.0)
+    assert tuple(cfg.schedule.decay_epochs) == (30, 60, 80) and cfg.schedule.decay_factor == 0.1
+    assert cfg.train.epochs == 90.0
+    assert tfs_config.to_steps(cfg).steps_per_epoch == 1_281_167 // 4096
+
+
+def test_batch_override_rescales_linked_lr():
+    base = parse(f"--config={REPO}/configs/r50_1gpu.py")
+    doubled = parse(f"--config={REPO}/configs/r50_1gpu.py", "--config.data.global_batch_size=512")
+    assert base.optim.lr == pytest.approx(0.1)
+    assert doubled.optim.lr == pytest.approx(0.2)
+    assert "lr: 0.2" in str(doubled)  # print(config) shows the derived value
+    # The eval batch follows the train batch unless set.
+    assert tfs_config.to_steps(doubled).eval_global_batch_size == 512
+
+
+def test_lr_per_256_override_rescales_lr():
+    cfg = parse(f"--config={REPO}/configs/r50_32gpu.py", "--config.optim.lr_per_256=0.2")
+    assert cfg.optim.lr == pytest.approx(3.2)
+
+
+def test_eval_batch_override_leaves_train_batch_alone():
+    cfg = parse(f"--config={REPO}/configs/r50_1gpu.py", "--config.data.eval_global_batch_size=1000")
+    assert cfg.data.global_batch_size == 256 and cfg.optim.lr == pytest.approx(0.1)
+    assert tfs_config.to_steps(cfg).eval_steps == 50
+
+
+def test_unknown_key_names_the_key():
+    with pytest.raises((AttributeError, KeyError), match=r"lrr[\s\S]*Did you mean \"lr\""):
+        parse(f"--config={REPO}/configs/smoke.py", "--config.optim.lrr=1")
+
+
+def test_missing_config_file_names_it():
+    cfg = parse(f"--config={REPO}/configs/no_such_config.py")
+    with pytest.raises(OSError, match="no_such_config.py"):
+        cfg.optim
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(model__name="resnet51"), r"model\.name='resnet51'.*resnet50"),
+        (dict(optim__name="adam"), r"optim\.name='adam'.*lars.*sgd"),
+        (dict(schedule__decay="linear"), r"linear.*cosine"),
+        (dict(schedule__warmup="slow"), r"slow.*gradual"),
+        (dict(precision="float8"), r"precision='float8'.*mixed_bfloat16"),
+        (dict(data__global_batch_size=0), r"data\.global_batch_size must be > 0, got 0"),
+        (dict(data__image_size=-32), r"data\.image_size must be > 0, got -32"),
+        (dict(train__epochs=0.0), r"train\.epochs must be > 0"),
+        (dict(schedule__warmup_epochs=5.0), r"5\.0.*3\.0"),  # smoke trains 3 epochs
+        (dict(data__global_batch_size=1000), r"global_batch_size=1000 exceeds .*num_train_examples=640"),
+    ],
+)
+def test_validate_names_key_and_value(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tfs_config.validate(smoke(**overrides))
+
+
+def test_impossible_batch_split_is_refused_with_nearest_sizes():
+    cfg = smoke(data__global_batch_size=30, data__eval_global_batch_size=60)
+    with pytest.raises(ValueError, match=r"global_batch_size=30 cannot be split evenly over 4 replicas.*28 or 32"):
+        tfs_config.validate(cfg, num_replicas=4)
+    tfs_config.validate(cfg, num_replicas=3)  # 30 / 3 is fine
+
+
+def test_to_steps_converts_epochs_once():
+    cfg = smoke()  # 640 train examples, batch 32, 3 epochs, eval every 1.5, checkpoint every 1.0
+    steps = tfs_config.to_steps(cfg)
+    assert steps.steps_per_epoch == 20
+    assert steps.train_steps == 60
+    assert steps.eval_every_steps == 30
+    assert steps.checkpoint_every_steps == 20
+    assert steps.eval_steps == 16  # ceil(500 / 32)
+    assert steps.eval_batch_padding == 16 * 32 - 500

@@ -1,0 +1,196 @@
+"""The one place that knows every configuration key tfscale reads.
+
+`base_config()` holds every key with its default and a one-line comment; config files in `configs/`
+start from it and change what their recipe needs. Derived values are linked, never copied:
+`optim.lr` is `optim.lr_per_256 * data.global_batch_size / 256` (the linear scaling rule of
+Goyal et al. 2017), so `--config.data.global_batch_size=512` rescales the LR and `print(config)`
+shows it. Durations are written in epochs (floats) and turned into steps only by `to_steps()`.
+
+`validate(cfg, num_replicas)` turns every mistake we can foresee into a ValueError that names the key
+and the value, before any expensive work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_collections
+
+# Names the code dispatches on. They live here (not imported from the modules that implement them)
+# so validating a config does not import TensorFlow.
+DATASETS = ("synthetic", "synthetic_learnable")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+BACKENDS = ("one_device", "mirrored", "multi_worker")
+BENCHMARK_MODES = ("train", "synthetic", "input")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key tfscale reads, with its default. Recipes in configs/ override a subset."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # seeds weight init, synthetic data and shuffling; same seed -> same run
+    c.precision = "float32"  # float32 | mixed_float16 (GPU, loss-scaled) | mixed_bfloat16 (TPU/Ampere+, CPU)
+    c.jit_compile = False  # XLA-compile the train step (GPU clusters; slower to start)
+
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "resnet50"  # key of tfscale.models.MODELS
+    c.model.zero_init_residual = True  # last BN gamma of each residual block starts at 0 (Goyal et al.)
+    c.model.bn_momentum = 0.9  # Keras BatchNormalization momentum (moving-average decay)
+    c.model.bn_epsilon = 1e-5  # BatchNormalization epsilon
+    c.model.data_format = "channels_last"  # channels_first can be faster on some GPUs; CPUs need last
+
+    c.data = ml_collections.ConfigDict()
+    c.data.dataset = "synthetic"  # synthetic (random, like tf_cnn_benchmarks) | synthetic_learnable
+    c.data.image_size = 224  # square training/eval resolution in pixels
+    c.data.num_classes = 1000  # classes the model predicts 
+    c.data.num_train_examples = 1_281_167  # examples per training epoch (ImageNet-1k train)
+    c.data.num_eval_examples = 50_000  # examples in one full evaluation (ImageNet-1k validation)
+    c.data.global_batch_size = 256  # images per step summed over all replicas
+    # Not a linked field: assigning to a linked field would overwrite the train batch it points at.
+    c.data.eval_global_batch_size = -1  # images per eval step; -1: same as global_batch_size
+    c.data.synthetic_noise = 0.35  # synthetic_learnable: pixel noise relative to the class pattern
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.name = "sgd"  # sgd | lars
+    c.optim.lr_per_256 = 0.1  # LR for a global batch of 256; scaled linearly with the batch
+    c.optim.lr = c.optim.get_ref("lr_per_256") * c.data.get_ref("global_batch_size") / 256  # linked
+    c.optim.momentum = 0.9  # heavy-ball momentum
+    c.optim.nesterov = False  # Nesterov momentum
+    c.optim.weight_decay = 1e-4  # L2 on conv/dense kernels only (BN and biases are not decayed)
+    c.optim.label_smoothing = 0.0  # 0.1 in the large-batch LARS recipes
+    c.optim.lars_eta = 0.001  # LARS trust coefficient
+    c.optim.lars_epsilon = 0.0  # LARS denominator epsilon
+
+    c.schedule = ml_collections.ConfigDict()
+    c.schedule.warmup = "gradual"  # none | gradual | stepping | horovod (lr/size -> lr)
+    c.schedule.warmup_epochs = 5.0  # warmup length (Goyal et al.: 5)
+    c.schedule.warmup_init_lr = 0.0  # gradual warmup starts here
+    c.schedule.decay = "step"  # constant | step | cosine | polynomial | exponential
+    c.schedule.decay_epochs = (30, 60, 80)  # step decay boundaries, absolute epochs
+    c.schedule.decay_factor = 0.1  # step: LR multiplier per boundary; exponential: per period
+    c.schedule.exp_decay_every_epochs = 2.4  # exponential: period in epochs
+    c.schedule.poly_power = 2.0  # polynomial: exponent (MLPerf LARS recipe uses 2)
+    c.schedule.end_lr = 0.0  # cosine/polynomial: final LR
+
+    c.train = ml_collections.ConfigDict()
+    c.train.epochs = 90.0  # training length in epochs (may be fractional)
+    c.train.log_every_steps = 100  # chief prints and appends to metrics.jsonl this often
+    c.train.eval_every_epochs = 1.0  # evaluate this often (and always at the end)
+    c.train.eval_steps = -1  # -1: the whole eval set once; >0: cap for quick checks
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_epochs = 1.0  # save this often (and at the end)
+    c.checkpoint.max_to_keep = 3  # older checkpoints are deleted
+
+    c.distribute = ml_collections.ConfigDict()
+    c.distribute.backend = "one_device"  # one_device | mirrored (all local GPUs) | multi_worker (MWMS, TF_CONFIG)
+    c.distribute.num_cpu_devices = 1  # mirrored on a CPU host: split the CPU into this many devices
+
+    c.benchmark = ml_collections.ConfigDict()
+    c.benchmark.mode = "train"  # train | synthetic | input
+    c.benchmark.num_warmup_batches = 10  # steps excluded from the reported rate
+    c.benchmark.num_batches = 100  # timed steps
+    c.benchmark.display_every = 10  # print a step line this often
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The step counts of a run; the only place epochs become steps."""
+
+    steps_per_epoch: int
+    train_steps: int
+    eval_every_steps: int
+    checkpoint_every_steps: int
+    eval_global_batch_size: int
+    eval_steps: int
+    eval_batch_padding: int  # examples the last eval batch is padded with (masked out of metrics)
+
+
+def eval_global_batch_size(data_cfg: ml_collections.ConfigDict) -> int:
+    """The eval batch: `data.eval_global_batch_size`, or the training batch when it is -1."""
+    if data_cfg.eval_global_batch_size == -1:
+        return data_cfg.global_batch_size
+    return data_cfg.eval_global_batch_size
+
+
+def to_steps(cfg: ml_collections.ConfigDict) -> Steps:
+    """Turns the epoch durations of `cfg` into step counts (train batches drop the remainder)."""
+    steps_per_epoch = cfg.data.num_train_examples // cfg.data.global_batch_size
+
+    def epochs_to_steps(epochs: float) -> int:
+        return max(1, round(epochs * steps_per_epoch))
+
+    eval_batch = eval_global_batch_size(cfg.data)
+    full_eval_steps = math.ceil(cfg.data.num_eval_examples / eval_batch)
+    eval_steps = full_eval_steps if cfg.train.eval_steps < 0 else min(cfg.train.eval_steps, full_eval_steps)
+    padding = full_eval_steps * eval_batch - cfg.data.num_eval_examples
+    return Steps(
+        steps_per_epoch=steps_per_epoch,
+        train_steps=epochs_to_steps(cfg.train.epochs),
+        eval_every_steps=epochs_to_steps(cfg.train.eval_every_epochs),
+        checkpoint_every_steps=epochs_to_steps(cfg.checkpoint.every_epochs),
+        eval_global_batch_size=eval_batch,
+        eval_steps=eval_steps,
+        eval_batch_padding=padding if eval_steps == full_eval_steps else 0,
+    )
+
+
+def _require_choice(key: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"config.{key}={value!r} is not one of: {', '.join(sorted(choices))}")
+
+
+def _require_positive(cfg: ml_collections.ConfigDict, keys) -> None:
+    for key in keys:
+        value = _get(cfg, key)
+        if not value > 0:
+            raise ValueError(f"config.{key} must be > 0, got {value!r}")
+
+
+def _get(cfg: ml_collections.ConfigDict, dotted_key: str):
+    node = cfg
+    for part in dotted_key.split("."):
+        node = node[part]
+    return node
+
+
+def _require_divisible(key: str, batch_size: int, num_replicas: int) -> None:
+    if batch_size % num_replicas:
+        raise ValueError(
+            f"config.{key}={batch_size} cannot be split evenly over {num_replicas} replicas "
+            f"(nearest valid sizes: {batch_size // num_replicas * num_replicas} or "
+            f"{(batch_size // num_replicas + 1) * num_replicas})"
+        )
+
+
+def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
+    """Raises ValueError naming the offending key and value; returns None for a usable config."""
+    # Imported here: models pulls in Keras, and the other checks should not pay for it.
+    from tfscale import models, optim, schedules
+
+    _require_choice("model.name", cfg.model.name, models.MODELS)
+    _require_choice("optim.name", cfg.optim.name, optim.OPTIMIZERS)
+    _require_choice("data.dataset", cfg.data.dataset, DATASETS)
+    _require_choice("precision", cfg.precision, PRECISIONS)
+    _require_choice("distribute.backend", cfg.distribute.backend, BACKENDS)
+    _require_choice("benchmark.mode", cfg.benchmark.mode, BENCHMARK_MODES)
+    _require_choice("model.data_format", cfg.model.data_format, ("channels_first", "channels_last"))
+    _require_positive(cfg, (
+        "data.image_size", "data.num_classes", "data.num_train_examples", "data.num_eval_examples",
+        "data.global_batch_size", "optim.lr",
+        "train.epochs", "train.log_every_steps", "train.eval_every_epochs",
+        "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
+        "benchmark.num_batches", "benchmark.display_every",
+    ))
+    if cfg.data.global_batch_size > cfg.data.num_train_examples:
+        raise ValueError(
+            f"config.data.global_batch_size={cfg.data.global_batch_size} exceeds "
+            f"config.data.num_train_examples={cfg.data.num_train_examples}: not one full step per epoch"
+        )
+    _require_divisible("data.global_batch_size", cfg.data.global_batch_size, num_replicas)
+    eval_batch = eval_global_batch_size(cfg.data)
+    if eval_batch <= 0:
+        raise ValueError(f"config.data.eval_global_batch_size must be > 0 or -1, got {eval_batch}")
+    _require_divisible("data.eval_global_batch_size", eval_batch, num_replicas)
+    schedules.check(cfg.schedule, total_epochs=cfg.train.epochs)
