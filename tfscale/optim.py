@@ -1,0 +1,218 @@
+"""Optimizers for ResNet training: momentum SGD with classic L2, and LARS.
+
+Two recipes, two ways of applying weight decay (wd):
+
+* ``sgd``: ``keras.optimizers.SGD`` with momentum. Weight decay is the classic L2 term the training
+  loop adds to the loss, ``l2_loss = 0.5 * wd * sum ||w||^2`` over conv/dense kernels, whose
+  gradient is ``wd * w`` (Goyal et al. 2017, "Accurate, Large Minibatch SGD", sec. 2 and appendix:
+  no decay on BatchNorm gamma/beta or biases).
+* ``lars``: Layer-wise Adaptive Rate Scaling (You, Gitman & Ginsburg 2017,
+  https://arxiv.org/abs/1708.03888). The decay is applied inside the optimizer, where it also enters
+  the trust ratio, so the loop must *not* add ``l2_loss`` as well (``loss_weight_decay`` says 0).
+
+The LARS update matches ``tf.contrib.opt.LARSOptimizer`` in its final TF 1.x form
+(tensorflow/tensorflow, ``tensorflow/contrib/opt/python/training/lars_optimizer.py`` at commit
+66bb198a: ``compute_lr`` + ``ResourceApplyMomentum(lr=1, grad=scaled_lr * (g + wd * w))``), the
+optimizer Google's MLPerf ResNet-50 TPU submissions used with ``skip_list=["batch_normalization",
+"bias"]``. Note it differs from TF Model Garden's ``official/modeling/optimization/lars_optimizer.py``
+(which folds the decay into the gradient *before* the norm: ``eta * ||w|| / ||g + wd * w||``, no
+epsilon) and from the earliest contrib version (no decay term in the update).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+OPTIMIZERS = ("sgd", "lars")
+
+
+def is_decayed(variable) -> bool:
+    """True if `variable` gets weight decay and LARS adaptation: conv/dense kernels only.
+
+    BatchNorm gamma/beta and biases are excluded, as in Goyal et al. 2017 and the MLPerf LARS
+    recipe: decaying them only fights the normalisation and slows training. The decision uses the
+    Keras variable's ``path`` (e.g. ``"resnet50/conv1/kernel"``), falling back to ``name``; a raw
+    tf.Variable name like ``"dense/kernel:0"`` is handled by dropping the ``":0"`` suffix.
+    Depthwise/pointwise kernels (``*_kernel``) count as kernels.
+    """
+    path = getattr(variable, "path", None) or getattr(variable, "name", "") or ""
+    return str(path).split(":")[0].endswith("kernel")
+
+
+def l2_loss(variables, weight_decay: float) -> tf.Tensor:
+    """Classic L2 regulariser ``0.5 * wd * sum_{w kernel} ||w||_2^2``, in float32.
+
+    Its gradient is ``wd * w``, i.e. the "weight decay" of the SGD ResNet recipes. Only variables
+    for which `is_decayed` is true count. Computed in float32 whatever the variables' dtype so the
+    sum over ~25M weights does not overflow or lose precision under mixed precision.
+
+    Under a tf.distribute strategy the optimizer *sums* replica gradients, so the loop must scale
+    this per-replica term by ``1 / num_replicas_in_sync`` like the data loss (Keras ``fit`` does this
+    for losses it computes).
+    """
+    squares = [
+        tf.reduce_sum(tf.square(tf.cast(tf.convert_to_tensor(v), tf.float32)))
+        for v in variables
+        if is_decayed(v)
+    ]
+    if not squares:
+        return tf.constant(0.0, tf.float32)
+    return tf.constant(0.5 * weight_decay, tf.float32) * tf.add_n(squares)
+
+
+def _trust_ratio(w, g, eta: float, weight_decay: float, epsilon: float) -> tf.Tensor:
+    """LARS local learning-rate multiplier for one layer (float32 inputs).
+
+    ``eta * ||w|| / (||g|| + wd * ||w|| + epsilon)`` if ``||w|| > 0`` and ``||g|| > 0``, else 1.
+    The fallback keeps freshly zero-initialised kernels (and layers with no gradient signal)
+    trainable at the global rate instead of freezing them with a zero ratio.
+    """
+    w_norm = tf.norm(w, ord=2)
+    g_norm = tf.norm(g, ord=2)
+    usable = tf.logical_and(w_norm > 0.0, g_norm > 0.0)
+    denominator = g_norm + weight_decay * w_norm + epsilon
+    # Both tf.where branches are evaluated; a safe denominator keeps the unused one free of inf/nan.
+    safe_denominator = tf.where(usable, denominator, tf.ones_like(denominator))
+    return tf.where(usable, eta * w_norm / safe_denominator, tf.ones_like(w_norm))
+
+
+class LARS(keras.optimizers.Optimizer):
+    """Layer-wise Adaptive Rate Scaling with heavy-ball (optionally Nesterov) momentum.
+
+    For a decayed variable (conv/dense kernel, see `is_decayed`) ``w`` with gradient ``g``::
+
+        trust_ratio = eta * ||w|| / (||g|| + wd * ||w|| + epsilon)   (1 if ||w|| == 0 or ||g|| == 0)
+        step = lr * trust_ratio * (g + wd * w)
+        v <- momentum * v + step
+        w <- w - v                           (nesterov: w <- w - (momentum * v + step))
+
+    Excluded variables (BatchNorm gamma/beta, biases) get plain momentum SGD without decay:
+    ``step = lr * g``. Source: You et al. 2017 (arXiv:1708.03888, Algorithm 1, local LR
+    ``eta * ||w|| / (||g|| + wd * ||w||)``); update form of tf.contrib.opt.LARSOptimizer as used by
+    MLPerf ResNet-50 (see module docstring).
+
+    Weight decay is LARS's own (``lars_weight_decay``) and is never handed to the Keras base class,
+    whose ``weight_decay`` is a *decoupled* decay applied before ``update_step``: passing it there
+    would decay kernels twice. The base ``weight_decay`` therefore stays None.
+
+    Under tf.distribute ``update_step`` receives the raw per-replica tf.Variable, which has no
+    Keras ``path``, so the exclusion decision is made once in `build` (Keras variables) and stored
+    by variable index.
+    """
+
+    def __init__(
+        self,
+        learning_rate=0.1,
+        momentum=0.9,
+        weight_decay=1e-4,
+        eta=0.001,
+        epsilon=0.0,
+        nesterov=False,
+        name="lars",
+        **kwargs,
+    ):
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"LARS momentum must be in [0, 1), got {momentum!r}")
+        if weight_decay < 0.0 or eta <= 0.0 or epsilon < 0.0:
+            raise ValueError(
+                f"LARS needs weight_decay >= 0, eta > 0, epsilon >= 0; got "
+                f"weight_decay={weight_decay!r}, eta={eta!r}, epsilon={epsilon!r}"
+            )
+        self.momentum = float(momentum)
+        self.lars_weight_decay = float(weight_decay)
+        self.eta = float(eta)
+        self.epsilon = float(epsilon)
+        self.nesterov = bool(nesterov)
+
+    def build(self, variables):
+        """Create one velocity slot per variable and record which variables LARS adapts/decays."""
+        if self.built:
+            return
+        super().build(variables)
+        self._velocities = self.add_optimizer_variables(variables, "velocity")
+        # Decided here, on Keras variables with paths; update_step only sees raw tf.Variables.
+        self._lars_adapted = tuple(is_decayed(v) for v in variables)
+
+    def update_step(self, gradient, variable, learning_rate):
+        """Apply one LARS (or, for excluded variables, plain momentum) step; math in float32."""
+        index = self._get_variable_index(variable)
+        velocity = self._velocities[index]
+        if isinstance(gradient, tf.IndexedSlices):
+            # The trust ratio needs the full gradient norm; ResNets never produce sparse grads.
+            gradient = tf.convert_to_tensor(gradient)
+        # Keras mixed precision keeps variables in float32 but gradients may arrive as
+        # float16/bfloat16; norms of low-precision tensors overflow or lose the small updates.
+        g = tf.cast(gradient, tf.float32)
+        w = tf.cast(tf.convert_to_tensor(variable), tf.float32)
+        lr = tf.cast(learning_rate, tf.float32)
+
+        if self._lars_adapted[index]:
+            wd = self.lars_weight_decay
+            scaled_lr = lr * _trust_ratio(w, g, self.eta, wd, self.epsilon)
+            step = scaled_lr * (g + wd * w)
+        else:
+            step = lr * g
+
+        v = self.momentum * tf.cast(tf.convert_to_tensor(velocity), tf.float32) + step
+        self.assign(velocity, v)
+        update = self.momentum * v + step if self.nesterov else v
+        self.assign_sub(variable, update)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "momentum": self.momentum,
+                # Our own decay, under the constructor's name so from_config round-trips; the
+                # base class's (decoupled) weight_decay is always None for LARS.
+                "weight_decay": self.lars_weight_decay,
+                "eta": self.eta,
+                "epsilon": self.epsilon,
+                "nesterov": self.nesterov,
+            }
+        )
+        return config
+
+
+def _check_name(optim_cfg) -> str:
+    name = optim_cfg.name
+    if name not in OPTIMIZERS:
+        raise ValueError(f"Unknown optimizer optim.name={name!r}; expected one of {OPTIMIZERS}")
+    return name
+
+
+def make_optimizer(optim_cfg, learning_rate: float) -> keras.optimizers.Optimizer:
+    """Build the optimizer named by ``optim_cfg.name`` with a settable float learning rate.
+
+    The learning rate is a plain float (stored by Keras in a variable) rather than a schedule so a
+    callback can set ``optimizer.learning_rate = x`` every batch. ``sgd`` carries no weight decay:
+    the loop adds `l2_loss` with coefficient `loss_weight_decay` instead.
+    """
+    name = _check_name(optim_cfg)
+    learning_rate = float(learning_rate)  # Keras rejects ints and numpy scalars
+    if name == "sgd":
+        return keras.optimizers.SGD(
+            learning_rate=learning_rate,
+            momentum=float(optim_cfg.momentum),
+            nesterov=bool(optim_cfg.nesterov),
+        )
+    return LARS(
+        learning_rate=learning_rate,
+        momentum=float(optim_cfg.momentum),
+        weight_decay=float(optim_cfg.weight_decay),
+        eta=float(optim_cfg.lars_eta),
+        epsilon=float(optim_cfg.lars_epsilon),
+        nesterov=bool(optim_cfg.nesterov),
+    )
+
+
+def loss_weight_decay(optim_cfg) -> float:
+    """L2 coefficient the training loop adds to the loss via `l2_loss`.
+
+    ``optim_cfg.weight_decay`` for sgd; 0.0 for lars, which decays inside its update (and trust
+    ratio), so adding the L2 loss too would decay twice.
+    """
+    name = _check_name(optim_cfg)
+    return float(optim_cfg.weight_decay) if name == "sgd" else 0.0
