@@ -1,0 +1,145 @@
+"""The training loop end to end: workdir files, resume, learning, failures."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import load_config, run_cli
+
+from tfscale import train
+
+
+class StopAtStep(keras.callbacks.Callback):
+    """Stands in for an interruption: ends the run after `step` global steps."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(logs["global_step"]) >= self.step:
+            self.model.stop_training = True
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_values(workdir):
+    """{variable key: value} of the latest checkpoint in a workdir (model, optimizer slots, step)."""
+    reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
+    keys = [k for k in reader.get_variable_to_shape_map() if "OBJECT_GRAPH" not in k and "save_counter" not in k]
+    return {k: reader.get_tensor(k) for k in keys}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One uninterrupted smoke run (60 steps) shared by the tests below."""
+    workdir = str(tmp_path_factory.mktemp("smoke"))
+    summary = train.train_and_evaluate(load_config("smoke"), workdir)
+    return workdir, summary
+
+
+def test_workdir_has_every_public_file(smoke_run):
+    workdir, summary = smoke_run
+    assert {"config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard"} <= set(os.listdir(workdir))
+    assert os.listdir(os.path.join(workdir, "tensorboard"))
+    with open(os.path.join(workdir, "summary.json")) as f:
+        on_disk = json.load(f)
+    assert on_disk == summary
+    for key in ("steps", "wall_time_s", "images_per_sec", "eval_top1", "eval_top5", "num_workers", "global_batch_size"):
+        assert key in on_disk
+    assert on_disk["steps"] == 60 and on_disk["global_batch_size"] == 32 and on_disk["num_workers"] == 1
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["model"]["name"] == "cifar_resnet8"
+
+
+def test_metrics_rows(smoke_run):
+    rows = read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl"))
+    train_rows = [r for r in rows if "loss" in r]
+    eval_rows = [r for r in rows if "eval_top1" in r]
+    assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
+    for row in train_rows:
+        assert set(row) == {"step", "epoch", "loss", "lr", "images_per_sec"}
+        assert row["images_per_sec"] > 0
+    assert train_rows[2]["epoch"] == 1.5
+    # eval every 1.5 epochs = 30 steps; 500 examples counted exactly despite the padded last batch
+    assert [r["step"] for r in eval_rows] == [30, 60]
+    assert all(r["eval_examples"] == 500 for r in eval_rows)
+    assert 0.0 <= eval_rows[-1]["eval_top1"] <= eval_rows[-1]["eval_top5"] <= 1.0
+
+
+def test_learnable_task_learns(smoke_run):
+    rows = read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl"))
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < 0.75 * losses[0], losses
+    # 10 classes: chance is 0.1
+    assert smoke_run[1]["eval_top1"] > 0.3
+
+
+def test_lr_follows_warmup_then_cosine(smoke_run):
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl")) if "lr" in r}
+    # lr 0.1 (0.8 per 256 x 32); 10 warmup steps; cosine to 0 over steps 10..60. A row logs the LR
+    # of the step just taken, i.e. lr(step - 1).
+    assert lrs[10] == pytest.approx(0.1 * 9 / 10)
+    assert lrs[60] == pytest.approx(0.05 * (1 + np.cos(np.pi * 49 / 50)), rel=1e-6)
+
+
+def test_interrupted_run_resumes_exactly(smoke_run, tmp_path):
+    """Stopped at step 25, then rerun: same steps, same final weights and optimizer state."""
+    workdir = str(tmp_path)
+    first = train.train_and_evaluate(load_config("smoke"), workdir, extra_callbacks=[StopAtStep(25)])
+    assert first["steps"] == 25
+    second = train.train_and_evaluate(load_config("smoke"), workdir)
+    assert second["steps"] == 60
+
+    rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == [10, 20, 30, 40, 50, 60]  # nothing repeated, nothing skipped
+    reference = {r["step"]: r["loss"] for r in read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl")) if "loss" in r}
+    for row in rows:
+        if "loss" in row:
+            assert row["loss"] == pytest.approx(reference[row["step"]], rel=1e-4, abs=1e-5)
+
+    resumed, uninterrupted = checkpoint_values(workdir), checkpoint_values(smoke_run[0])
+    assert resumed.keys() == uninterrupted.keys()
+    for key, value in uninterrupted.items():
+        np.testing.assert_allclose(resumed[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+    assert second["eval_top1"] == pytest.approx(smoke_run[1]["eval_top1"], abs=0.01)
+
+
+def test_nonfinite_loss_stops_with_step_number(tmp_path):
+    cfg = load_config("smoke", "--config.optim.lr_per_256=1e12", "--config.schedule.warmup=none")
+    with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step \d+"):
+        train.train_and_evaluate(cfg, str(tmp_path))
+    # nothing was written after the loss went bad: no summary claims a finished run
+    assert not os.path.exists(os.path.join(tmp_path, "summary.json"))
+
+
+@pytest.mark.slow
+def test_cli_trains_then_resumes_instead_of_restarting(tmp_path):
+    workdir = str(tmp_path / "run")
+    first = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "eval at step 60" in first.stderr
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows_after_first = f.read()
+
+    second = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "ckpt-60" in second.stderr
+    assert "training already complete at step 60" in second.stderr
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        assert f.read() == rows_after_first  # no step trained twice
+
+
+def test_cli_unknown_key_is_a_clear_error(tmp_path):
+    result = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={tmp_path}", "--config.optim.lrr=1")
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "unknown config key" in last_line and "--config.optim.lrr=1" in last_line and '"lr"' in last_line
+    assert not os.listdir(tmp_path)  # nothing written

@@ -1,0 +1,137 @@
+"""Keras callbacks that tfscale's training loop drives through `keras.callbacks.CallbackList`.
+
+The loop calls them with Keras' own conventions (`batch` is the index within the epoch) and adds
+`global_step` (steps completed, 1-based) to the batch-end logs; `CallbackList` turns every log value
+into a float, hence the `int(...)` where it is read. Decisions that only the chief may take
+(writing files, printing) are made here from `is_chief`, not scattered through the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+
+class LearningRateScheduler(keras.callbacks.Callback):
+    """Sets the optimizer's LR before every batch from `schedule(optimizer.iterations)`.
+
+    Reading the step from the optimizer (a checkpointed variable) rather than counting batches means
+    a resumed run and every worker land on the same point of the curve.
+    """
+
+    def __init__(self, schedule: Callable[[int], float]):
+        super().__init__()
+        self.schedule = schedule
+
+    def on_train_batch_begin(self, batch, logs=None):
+        optimizer = self.model.optimizer
+        optimizer.learning_rate = self.schedule(int(optimizer.iterations.numpy()))
+
+
+class MetricsLogger(keras.callbacks.Callback):
+    """Chief-only progress: absl log lines, `metrics.jsonl` rows and TensorBoard scalars.
+
+    images/sec is measured over training steps only: the clock restarts after each evaluation, so an
+    eval pass never dilutes the throughput figure.
+    """
+
+    def __init__(self, workdir: str, *, is_chief: bool, global_batch_size: int, steps_per_epoch: int,
+                 train_steps: int, log_every_steps: int):
+        super().__init__()
+        self.is_chief = is_chief
+        self.global_batch_size = global_batch_size
+        self.steps_per_epoch = steps_per_epoch
+        self.train_steps = train_steps
+        self.log_every_steps = log_every_steps
+        self.metrics_path = os.path.join(workdir, "metrics.jsonl")
+        self.writer = tf.summary.create_file_writer(os.path.join(workdir, "tensorboard")) if is_chief else None
+        self.intervals = []  # (steps, seconds) of each logged training interval
+        self._mark_time = None
+        self._mark_step = None
+
+    def _restart_clock(self, global_step: int) -> None:
+        self._mark_time, self._mark_step = time.perf_counter(), global_step
+
+    def on_train_begin(self, logs=None):
+        self._restart_clock(int(self.model.optimizer.iterations.numpy()))
+
+    def on_test_end(self, logs=None):
+        # `logs` is the eval row (step, epoch, eval_*): written as is, then training time restarts.
+        self._write_row(logs)
+        self._restart_clock(int(logs["step"]))
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(logs["global_step"])
+        if step % self.log_every_steps and step != self.train_steps:
+            return
+        elapsed_s = time.perf_counter() - self._mark_time
+        steps = step - self._mark_step
+        self.intervals.append((steps, elapsed_s))
+        row = {
+            "step": step,
+            "epoch": round(step / self.steps_per_epoch, 4),
+            "loss": float(logs["loss"]),
+            "lr": float(self.model.optimizer.learning_rate.numpy()),
+            "images_per_sec": round(steps * self.global_batch_size / elapsed_s, 2),
+        }
+        if self.is_chief:
+            logging.info(
+                "step %d/%d  epoch %.2f  loss %.4f  lr %.5g  images/sec %.1f",
+                step, self.train_steps, row["epoch"], row["loss"], row["lr"], row["images_per_sec"],
+            )
+        self._write_row(row)
+        self._restart_clock(step)
+
+    def _write_row(self, row) -> None:
+        if not self.is_chief or not row:
+            return
+        # CallbackList hands over every number as a float; counts go back to ints.
+        row = {k: int(v) if k in ("step", "eval_examples") else v for k, v in row.items()}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        with self.writer.as_default(step=int(row["step"])):
+            for key, value in row.items():
+                if key != "step":
+                    tf.summary.scalar(key, value)
+        self.writer.flush()
+
+    def steady_images_per_sec(self) -> float | None:
+        """Throughput without the first interval after a (re)start, which pays for tracing."""
+        steady = self.intervals[1:] or self.intervals
+        steps = sum(s for s, _ in steady)
+        seconds = sum(t for _, t in steady)
+        return round(steps * self.global_batch_size / seconds, 2) if seconds > 0 else None
+
+
+class CheckpointSaver(keras.callbacks.Callback):
+    """Saves `manager`'s checkpoint every `every_steps` global steps and when training ends.
+
+    Every worker calls save (under multi-worker strategies saving is a collective); which directory a
+    worker writes to is decided where the manager is built.
+    """
+
+    def __init__(self, manager: tf.train.CheckpointManager, every_steps: int, restored_step: int | None = None):
+        super().__init__()
+        self.manager = manager
+        self.every_steps = every_steps
+        self._last_saved_step = restored_step  # a resumed run does not write the step it restored again
+
+    def save(self, global_step: int) -> None:
+        if global_step != self._last_saved_step:
+            self.manager.save(checkpoint_number=global_step)
+            self._last_saved_step = global_step
+            logging.info("saved checkpoint at step %d to %s", global_step, self.manager.directory)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(logs["global_step"]) % self.every_steps == 0:
+            self.save(int(logs["global_step"]))
+
+    def on_train_end(self, logs=None):
+        if logs and "global_step" in logs:
+            self.save(int(logs["global_step"]))

@@ -1,0 +1,298 @@
+"""Training entry point and the distributed training loop tfscale owns.
+
+    python -m tfscale.train --config=configs/smoke.py --workdir=runs/smoke [--config.x.y=v ...]
+
+Why a custom loop: Keras 3 `model.fit` fails under MultiWorkerMirroredStrategy (keras-team/keras
+#20585), so tfscale does what Model Garden/Orbit, tf_cnn_benchmarks and NVIDIA's examples do: a
+`tf.function` step run by the strategy, with standard Keras callbacks driven through
+`keras.callbacks.CallbackList`. Rerunning with the same workdir resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import keras
+import ml_collections
+import tensorflow as tf
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from tfscale import callbacks as tfs_callbacks
+from tfscale import config as tfs_config
+from tfscale import distribute, models, optim, schedules
+from tfscale.data import pipeline
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summaries.")
+
+
+def build_model(cfg: ml_collections.ConfigDict) -> keras.Model:
+    """The configured model; call inside the strategy scope."""
+    return models.create(
+        cfg.model.name,
+        num_classes=cfg.data.num_classes,
+        input_shape=(cfg.data.image_size, cfg.data.image_size, 3),
+        zero_init_residual=cfg.model.zero_init_residual,
+        bn_momentum=cfg.model.bn_momentum,
+        bn_epsilon=cfg.model.bn_epsilon,
+        data_format=cfg.model.data_format,
+    )
+
+
+def build_optimizer(cfg: ml_collections.ConfigDict, model: keras.Model) -> keras.optimizers.Optimizer:
+    """The configured optimizer, loss-scaled under float16, built so checkpoints restore into it."""
+    optimizer = optim.make_optimizer(cfg.optim, learning_rate=cfg.optim.lr)
+    if cfg.precision == "mixed_float16":
+        # float16 gradients underflow without it; bfloat16 has float32's range and needs none.
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    # Slots exist before restore, so a checkpoint fills them instead of being deferred.
+    optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+def _cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
+    one_hot = tf.one_hot(labels, num_classes, dtype=tf.float32)
+    return keras.losses.categorical_crossentropy(
+        one_hot, tf.cast(logits, tf.float32), from_logits=True, label_smoothing=label_smoothing
+    )
+
+
+def make_train_step(cfg, cluster, model, optimizer):
+    """A compiled function running one global step; returns the mean loss over the global batch."""
+    global_batch_size = cfg.data.global_batch_size
+    weight_decay = optim.loss_weight_decay(cfg.optim)
+
+    def replica_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            per_example = _cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
+            # Divide by the GLOBAL batch: summing replica gradients then gives the global mean.
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+            objective = loss
+            if weight_decay:
+                objective += tf.nn.scale_regularization_loss(optim.l2_loss(model.trainable_variables, weight_decay))
+            scaled = optimizer.scale_loss(objective)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function(jit_compile=cfg.jit_compile or None)
+    def train_step(iterator):
+        per_replica_loss = cluster.strategy.run(replica_step, args=next(iterator))
+        return cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)
+
+    return train_step
+
+
+def make_eval_step(cfg, cluster, model):
+    """A compiled function returning summed (loss, top-1 hits, top-5 hits, examples) of one batch."""
+    top_k = min(5, cfg.data.num_classes)
+
+    def replica_step(images, labels, mask):
+        logits = tf.cast(model(images, training=False), tf.float32)
+        per_example = _cross_entropy(labels, logits, cfg.data.num_classes, 0.0)
+        top1 = tf.cast(tf.math.in_top_k(labels, logits, 1), tf.float32)
+        top5 = tf.cast(tf.math.in_top_k(labels, logits, top_k), tf.float32)
+        # Sums, not means: padded examples (mask 0) drop out and the totals add across replicas exactly.
+        return tf.stack([tf.reduce_sum(x * mask) for x in (per_example, top1, top5, mask)])
+
+    @tf.function
+    def eval_step(iterator):
+        sums = cluster.strategy.run(replica_step, args=next(iterator))
+        return cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None)
+
+    return eval_step
+
+
+def evaluate(eval_step, eval_dataset, num_steps: int) -> dict:
+    """Runs the eval set once; metrics are exact example counts over all replicas."""
+    iterator = iter(eval_dataset)
+    totals = tf.zeros([4])
+    for _ in range(num_steps):
+        totals += eval_step(iterator)
+    loss_sum, top1_hits, top5_hits, examples = totals.numpy().tolist()
+    return {
+        "eval_loss": loss_sum / examples,
+        "eval_top1": top1_hits / examples,
+        "eval_top5": top5_hits / examples,
+        "eval_examples": int(examples),
+    }
+
+
+def _checkpoint_manager(checkpoint, workdir: str, cluster, max_to_keep: int) -> tf.train.CheckpointManager:
+    # Only the chief's checkpoints are kept; other workers must still write (saving is collective
+    # under multi-worker strategies), so they write to a scratch directory.
+    directory = os.path.join(workdir, "checkpoints") if cluster.is_chief else tempfile.mkdtemp(prefix="tfscale_ckpt_")
+    return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=max_to_keep)
+
+
+def _write_json(path: str, obj) -> None:
+    # Write-then-rename: a killed process never leaves a half-written file behind.
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def _check_finite(loss: float, step: int) -> None:
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"loss is {loss} at step {step}; stopping (the last checkpoint holds the weights before it)"
+        )
+
+
+def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> dict:
+    """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns the summary.
+
+    `extra_callbacks`: more Keras callbacks, driven after tfscale's own (LR, logging, checkpoints).
+    Setting `model.stop_training` from one ends the run after the current step, checkpointed.
+    """
+    cluster = distribute.setup(cfg.distribute)
+    tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
+    steps = tfs_config.to_steps(cfg)
+    os.makedirs(workdir, exist_ok=True)
+    if cluster.is_chief:
+        _write_json(os.path.join(workdir, "config.json"), cfg.to_dict())
+
+    previous_policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(cfg.precision)
+    try:
+        return _run(cfg, workdir, cluster, steps, extra_callbacks)
+    finally:
+        keras.config.set_dtype_policy(previous_policy)
+
+
+def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks) -> dict:
+    keras.utils.set_random_seed(cfg.seed)
+    strategy = cluster.strategy
+    with strategy.scope():
+        model = build_model(cfg)
+        optimizer = build_optimizer(cfg, model)
+        # The loop's step; differs from optimizer.iterations when float16 loss scaling skips a step.
+        global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    # What standard Keras callbacks look for; fit() would set them, and we never call compile/fit.
+    model.optimizer = optimizer
+    model.stop_training = False
+    info = models.describe(model)
+    logging.info("model %s: %d parameters, %.3g GFLOPs/image", cfg.model.name, info["params"], info["flops_per_image"] / 1e9)
+
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, global_step=global_step)
+    manager = _checkpoint_manager(checkpoint, workdir, cluster, cfg.checkpoint.max_to_keep)
+    restored_step = None
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        restored_step = int(global_step.numpy())
+        logging.info("resumed from %s at step %d", manager.latest_checkpoint, restored_step)
+    start_step = int(global_step.numpy())
+    summary_path = os.path.join(workdir, "summary.json")
+    if start_step >= steps.train_steps and os.path.exists(summary_path):
+        logging.info("training already complete at step %d; summary in %s", start_step, summary_path)
+        with open(summary_path) as f:
+            return json.load(f)
+
+    train_ds = strategy.distribute_datasets_from_function(
+        pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step)
+    )
+    eval_ds = strategy.distribute_datasets_from_function(
+        pipeline.eval_input_fn(
+            cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size, num_steps=steps.eval_steps
+        )
+    )
+    train_step = make_train_step(cfg, cluster, model, optimizer)
+    eval_step = make_eval_step(cfg, cluster, model)
+
+    schedule = schedules.make_schedule(
+        cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=steps.steps_per_epoch,
+        total_steps=steps.train_steps, num_replicas=cluster.num_replicas,
+    )
+    logger = tfs_callbacks.MetricsLogger(
+        workdir, is_chief=cluster.is_chief, global_batch_size=cfg.data.global_batch_size,
+        steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps,
+        log_every_steps=cfg.train.log_every_steps,
+    )
+    saver = tfs_callbacks.CheckpointSaver(manager, every_steps=steps.checkpoint_every_steps, restored_step=restored_step)
+    callback_list = keras.callbacks.CallbackList(
+        [tfs_callbacks.LearningRateScheduler(schedule), logger, saver, *extra_callbacks], model=model,
+        epochs=math.ceil(steps.train_steps / steps.steps_per_epoch), steps=steps.steps_per_epoch,
+    )
+
+    def run_eval(step: int) -> dict:
+        callback_list.on_test_begin()
+        results = evaluate(eval_step, eval_ds, steps.eval_steps)
+        logging.info("eval at step %d: top-1 %.4f  top-5 %.4f  loss %.4f  (%d examples)", step,
+                     results["eval_top1"], results["eval_top5"], results["eval_loss"], results["eval_examples"])
+        callback_list.on_test_end({"step": step, "epoch": round(step / steps.steps_per_epoch, 4), **results})
+        return results
+
+    start_time = time.time()
+    eval_results = {}
+    callback_list.on_train_begin()
+    iterator = iter(train_ds)
+    for step in range(start_step, steps.train_steps):
+        epoch, batch = divmod(step, steps.steps_per_epoch)
+        if batch == 0:
+            callback_list.on_epoch_begin(epoch)
+        callback_list.on_train_batch_begin(batch)
+        loss = float(train_step(iterator).numpy())
+        _check_finite(loss, step + 1)
+        global_step.assign(step + 1)
+        callback_list.on_train_batch_end(batch, {"loss": loss, "global_step": step + 1})
+        if (step + 1) % steps.eval_every_steps == 0 or step + 1 == steps.train_steps:
+            eval_results = run_eval(step + 1)
+        if batch == steps.steps_per_epoch - 1:
+            callback_list.on_epoch_end(epoch, {"loss": loss})
+        if model.stop_training:  # set by standard callbacks such as EarlyStopping/TerminateOnNaN
+            break
+    final_step = int(global_step.numpy())
+    callback_list.on_train_end({"global_step": final_step})
+    if not eval_results:  # stopped early by a callback, or resumed at the end without a summary
+        eval_results = run_eval(final_step)
+
+    summary = {
+        "steps": final_step,
+        "wall_time_s": round(time.time() - start_time, 2),
+        "images_per_sec": logger.steady_images_per_sec(),
+        "eval_top1": eval_results["eval_top1"],
+        "eval_top5": eval_results["eval_top5"],
+        "eval_loss": eval_results["eval_loss"],
+        "num_workers": cluster.size,
+        "num_replicas": cluster.num_replicas,
+        "global_batch_size": cfg.data.global_batch_size,
+    }
+    if cluster.is_chief:
+        _write_json(summary_path, summary)
+        logging.info("done: %s; workdir %s", json.dumps(summary), os.path.abspath(workdir))
+    return summary
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with a one-line error for a config key that does not exist."""
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as err:  # raised by the locked ConfigDict
+        message = err
+        while isinstance(message, BaseException) and message.args:  # unwrap AttributeError(KeyError(str))
+            message = message.args[0]
+        overrides = " ".join(a for a in argv[1:] if a.startswith("--config."))
+        sys.exit(f"FATAL unknown config key among {overrides}: {' '.join(str(message).split())}")
+
+
+def run():
+    """Console-script entry point (`tfscale-train`)."""
+    flags.mark_flags_as_required(["config", "workdir"])
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()
