@@ -11,7 +11,7 @@ from tfscale import config as tfs_config
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
 # Replica counts each recipe is written for (the file name says it).
-REPLICAS = {"r50_8gpu.py": 8, "r50_32gpu.py": 32}
+REPLICAS = {"r50_8gpu.py": 8, "r50_32gpu.py": 32, "r50_lars_32k.py": 256}
 
 
 def parse(config_arg, *overrides):
@@ -124,3 +124,24 @@ def test_to_steps_converts_epochs_once():
     assert steps.checkpoint_every_steps == 20
     assert steps.eval_steps == 16  # ceil(500 / 32)
     assert steps.eval_batch_padding == 16 * 32 - 500
+
+
+def test_large_batch_without_lars_warns(caplog):
+    cfg = parse(f"--config={REPO}/configs/r50_32gpu.py", "--config.data.global_batch_size=16384")
+    with caplog.at_level("WARNING"):
+        tfs_config.validate(cfg, num_replicas=32)
+    assert "global_batch_size=16384 exceeds 8192" in caplog.text and "LARS" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        tfs_config.validate(parse(f"--config={REPO}/configs/r50_lars_32k.py"), num_replicas=256)
+    assert "exceeds" not in caplog.text
+
+
+def test_lars_recipe():
+    cfg = parse(f"--config={REPO}/configs/r50_lars_32k.py")
+    assert cfg.optim.name == "lars" and cfg.optim.label_smoothing == 0.1
+    assert cfg.schedule.decay == "polynomial" and cfg.schedule.poly_power == 2.0
+    assert cfg.data.num_classes == 1000 and cfg.schedule.warmup_epochs > 0
+    assert cfg.optim.lr == pytest.approx(29.0)
+    halved = parse(f"--config={REPO}/configs/r50_lars_32k.py", "--config.data.global_batch_size=16384")
+    assert halved.optim.lr == pytest.approx(14.5)  # base LR grows (and shrinks) with the batch

@@ -16,6 +16,11 @@ import dataclasses
 import math
 
 import ml_collections
+from absl import logging
+
+# Above this global batch plain SGD loses accuracy even with warmup (Goyal et al. 2017: 8k is the
+# limit of linear scaling); LARS is what carries ResNet-50 past it.
+LARGE_BATCH_WITHOUT_LARS = 8192
 
 # Names the code dispatches on. They live here (not imported from the modules that implement them)
 # so validating a config does not import TensorFlow.
@@ -194,3 +199,9 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
         raise ValueError(f"config.data.eval_global_batch_size must be > 0 or -1, got {eval_batch}")
     _require_divisible("data.eval_global_batch_size", eval_batch, num_replicas)
     schedules.check(cfg.schedule, total_epochs=cfg.train.epochs)
+    if cfg.data.global_batch_size > LARGE_BATCH_WITHOUT_LARS and cfg.optim.name != "lars":
+        logging.warning(
+            "config.data.global_batch_size=%d exceeds %d with config.optim.name=%r: expect an accuracy "
+            "loss; large-batch recipes use LARS (see configs/r50_lars_32k.py)",
+            cfg.data.global_batch_size, LARGE_BATCH_WITHOUT_LARS, cfg.optim.name,
+        )

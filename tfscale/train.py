@@ -68,7 +68,7 @@ def make_train_step(cfg, cluster, model, optimizer):
     global_batch_size = cfg.data.global_batch_size
     weight_decay = optim.loss_weight_decay(cfg.optim)
 
-    def replica_step(images, labels):
+    def loss_and_grads(images, labels):
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
             per_example = _cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
@@ -78,11 +78,19 @@ def make_train_step(cfg, cluster, model, optimizer):
             if weight_decay:
                 objective += tf.nn.scale_regularization_loss(optim.l2_loss(model.trainable_variables, weight_decay))
             scaled = optimizer.scale_loss(objective)
-        grads = tape.gradient(scaled, model.trainable_variables)
+        return loss, tape.gradient(scaled, model.trainable_variables)
+
+    if cfg.jit_compile:
+        # XLA compiles forward + backward only: the iterator and the cross-replica gradient
+        # all-reduce inside apply_gradients cannot live in an XLA cluster.
+        loss_and_grads = tf.function(loss_and_grads, jit_compile=True)
+
+    def replica_step(images, labels):
+        loss, grads = loss_and_grads(images, labels)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    @tf.function(jit_compile=cfg.jit_compile or None)
+    @tf.function
     def train_step(iterator):
         per_replica_loss = cluster.strategy.run(replica_step, args=next(iterator))
         return cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)

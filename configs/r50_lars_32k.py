@@ -1,0 +1,41 @@
+"""ResNet-50 v1.5 with LARS at a 32k global batch: the MLPerf-style large-batch recipe.
+
+    python -m tfscale.train --config=configs/r50_lars_32k.py --workdir=runs/r50_lars_32k
+
+LARS (You et al. 2017; trust coefficient 0.001, BN and biases excluded from adaptation and decay),
+momentum 0.9, label smoothing 0.1, linear warmup from 0 over 5 epochs, then polynomial (power 2)
+decay to 1e-4 over the remaining epochs, 1000 classes at 224x224. The base LR grows with the batch
+through the linked `optim.lr` (0.2265625 per 256 images = 29.0 at 32,768). LARS recipes are tuned
+per batch size and epoch budget (MLPerf submissions sweep base LR, warmup and epochs): treat these
+values as the starting point, and expect ~75.9% top-1 (the MLPerf target) only after such tuning.
+Needs 32,768 / replicas images per replica, e.g. 256 GPUs x 128.
+"""
+
+from tfscale.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.model.name = "resnet50"
+    c.data.image_size = 224
+    c.data.num_classes = 1000
+    c.data.global_batch_size = 32_768
+    c.optim.name = "lars"
+    c.optim.lr_per_256 = 0.2265625  # -> lr 29.0 at 32,768
+    c.optim.momentum = 0.9
+    c.optim.weight_decay = 5e-5
+    c.optim.lars_eta = 0.001
+    c.optim.lars_epsilon = 0.0
+    c.optim.label_smoothing = 0.1
+    c.schedule.warmup = "gradual"
+    c.schedule.warmup_epochs = 5.0
+    c.schedule.warmup_init_lr = 0.0
+    c.schedule.decay = "polynomial"
+    c.schedule.poly_power = 2.0
+    c.schedule.end_lr = 1e-4
+    c.train.epochs = 72.0
+    c.train.eval_every_epochs = 4.0
+    c.checkpoint.every_epochs = 4.0
+    c.distribute.backend = "multi_worker"
+    c.precision = "mixed_float16"
+    return c
