@@ -1,0 +1,332 @@
+"""Staging shards to node-local storage: verification, resume, free space, one copier per node."""
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tfscale.data import stage
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARD_BYTES = 256 << 10
+
+
+def write_shards(src_dir, split="train", num_shards=4, *, manifest=True, shard_bytes=SHARD_BYTES, seed=0):
+    """Random-byte "shards" (+ a converter-style manifest); {name: content}."""
+    os.makedirs(src_dir, exist_ok=True)
+    rng = random.Random(f"{split}-{seed}")
+    contents = {}
+    for i in range(num_shards):
+        name = f"{split}-{i:05d}-of-{num_shards:05d}"
+        contents[name] = rng.randbytes(shard_bytes + i)  # sizes differ a little
+        with open(os.path.join(src_dir, name), "wb") as f:
+            f.write(contents[name])
+    if manifest:
+        entries = [{"name": n, "num_examples": 10, "bytes": len(c), "sha256": hashlib.sha256(c).hexdigest()}
+                   for n, c in contents.items()]
+        with open(os.path.join(src_dir, f"{split}-manifest.json"), "w") as f:
+            json.dump({"split": split, "num_examples": 10 * num_shards, "num_shards": num_shards,
+                       "shards": entries}, f)
+    return contents
+
+
+def flip_bytes(path, offset=1000, count=16):
+    """Same size, different content."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(count)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def shard_files(dest_dir):
+    return sorted(n for n in os.listdir(dest_dir) if "-of-" in n and not n.startswith("."))
+
+
+def partial_files(dest_dir):
+    return sorted(n for n in os.listdir(dest_dir) if n.startswith(stage.PARTIAL_PREFIX))
+
+
+@pytest.fixture
+def src(tmp_path):
+    """train (4 shards) and validation (2 shards), both with manifests."""
+    src_dir = str(tmp_path / "shared")
+    contents = {**write_shards(src_dir, "train", 4), **write_shards(src_dir, "validation", 2)}
+    return src_dir, contents
+
+
+def test_stages_everything_identical_with_manifests(src, tmp_path):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    report = stage.stage(src_dir, dest)
+    assert shard_files(dest) == sorted(contents)
+    for name, content in contents.items():
+        assert read(os.path.join(dest, name)) == content
+    for split in ("train", "validation"):
+        name = f"{split}-manifest.json"
+        assert read(os.path.join(dest, name)) == read(os.path.join(src_dir, name))
+    assert report.dest_dir == dest
+    assert (report.files_copied, report.files_skipped) == (6, 0)
+    assert report.bytes_copied == sum(len(c) for c in contents.values())
+    assert report.copied_by_this_process and report.seconds > 0 and report.mb_per_s > 0
+    assert partial_files(dest) == []
+    state = json.loads(read(os.path.join(dest, stage.STATE_FILE)))["files"]
+    assert {n: r["sha256"] for n, r in state.items()} == {n: hashlib.sha256(c).hexdigest() for n, c in contents.items()}
+
+
+def test_second_run_copies_nothing_and_trusts_the_state_file(src, tmp_path, monkeypatch):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    stage.stage(src_dir, dest)
+
+    def no_hashing(path):
+        raise AssertionError(f"{path} was re-hashed although its size and mtime match the state file")
+
+    monkeypatch.setattr(stage, "_file_sha256", no_hashing)
+    report = stage.stage(src_dir, dest)
+    assert (report.files_copied, report.files_skipped, report.bytes_copied) == (0, 6, 0)
+    assert not report.copied_by_this_process
+
+
+def test_corrupt_staged_file_is_detected_and_copied_again(src, tmp_path):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    stage.stage(src_dir, dest)
+    victim = os.path.join(dest, "train-00002-of-00004")
+    before = os.stat(victim)
+    flip_bytes(victim)
+    # Real corruption comes with a new mtime; this write may land in the same timestamp tick as the copy.
+    if os.stat(victim).st_mtime_ns == before.st_mtime_ns:
+        os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    assert read(victim) != contents["train-00002-of-00004"]
+
+    report = stage.stage(src_dir, dest)
+    assert (report.files_copied, report.files_skipped) == (1, 5)
+    assert read(victim) == contents["train-00002-of-00004"]
+    assert stage.stage(src_dir, dest).files_copied == 0
+
+
+def test_state_file_lost_rehashes_instead_of_copying(src, tmp_path):
+    src_dir, _ = src
+    dest = str(tmp_path / "local")
+    stage.stage(src_dir, dest)
+    os.remove(os.path.join(dest, stage.STATE_FILE))
+    assert stage.stage(src_dir, dest).files_copied == 0
+    with open(os.path.join(dest, stage.STATE_FILE), "w") as f:
+        f.write("{not json")
+    assert stage.stage(src_dir, dest).files_copied == 0
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_source_not_matching_manifest_is_an_error_and_not_staged(src, tmp_path, damage):
+    src_dir, _ = src
+    dest = str(tmp_path / "local")
+    bad = os.path.join(src_dir, "train-00001-of-00004")
+    if damage == "flipped":
+        flip_bytes(bad)
+    else:
+        os.truncate(bad, 1000)
+    with pytest.raises(stage.StageError, match="train-00001-of-00004.*not staged"):
+        stage.stage(src_dir, dest)
+    assert "train-00001-of-00004" not in os.listdir(dest)
+    assert partial_files(dest) == []
+    state_path = os.path.join(dest, stage.STATE_FILE)
+    if os.path.exists(state_path):  # other shards may have been staged meanwhile, this one not
+        assert "train-00001-of-00004" not in json.loads(read(state_path))["files"]
+
+
+def test_too_little_space_fails_before_copying(src, tmp_path, monkeypatch):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    monkeypatch.setattr(stage, "_free_bytes", lambda path: 123_456)
+    with pytest.raises(stage.StageError) as e:
+        stage.stage(src_dir, dest)
+    needed = sum(len(c) for c in contents.values()) + sum(
+        os.path.getsize(os.path.join(src_dir, f"{s}-manifest.json")) for s in ("train", "validation"))
+    message = str(e.value)
+    assert f"needs {needed} bytes" in message and "123456 bytes" in message and dest in message
+    assert shard_files(dest) == [] and partial_files(dest) == []
+    assert not any(n.endswith("-manifest.json") for n in os.listdir(dest))
+
+
+def test_missing_src_dir_and_missing_listed_shard_are_named(src, tmp_path):
+    src_dir, _ = src
+    dest = str(tmp_path / "local")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        stage.stage(str(tmp_path / "nowhere"), dest)
+    os.remove(os.path.join(src_dir, "validation-00001-of-00002"))
+    with pytest.raises(FileNotFoundError, match="validation-00001-of-00002 listed in .*validation-manifest.json"):
+        stage.stage(src_dir, dest)
+
+
+def test_files_subset_is_verified_against_the_manifest(src, tmp_path):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    flip_bytes(os.path.join(src_dir, "train-00003-of-00004"))  # not asked for: must not matter
+    wanted = ["train-00000-of-00004", "validation-00001-of-00002"]
+    report = stage.stage(src_dir, dest, files=wanted)
+    assert shard_files(dest) == sorted(wanted)  # exactly these; manifests only when listed
+    assert (report.files_copied, report.files_skipped) == (2, 0)
+    assert all(read(os.path.join(dest, n)) == contents[n] for n in wanted)
+    with pytest.raises(stage.StageError, match="train-00003-of-00004"):  # listed in a manifest: hash checked
+        stage.stage(src_dir, dest, files=["train-00003-of-00004"])
+    with pytest.raises(FileNotFoundError, match="train-00009-of-00004"):
+        stage.stage(src_dir, dest, files=["train-00009-of-00004"])
+    with pytest.raises(ValueError, match="plain file names"):
+        stage.stage(src_dir, dest, files=["../etc/passwd"])
+
+
+def test_without_manifest_stages_by_name_and_checks_size(tmp_path):
+    src_dir, dest = str(tmp_path / "shared"), str(tmp_path / "local")
+    contents = write_shards(src_dir, "train", 3, manifest=False)
+    with open(os.path.join(src_dir, "README"), "w") as f:
+        f.write("not a shard")
+    report = stage.stage(src_dir, dest, splits=["train"])
+    assert shard_files(dest) == sorted(contents) and "README" not in os.listdir(dest)
+    assert all(read(os.path.join(dest, n)) == c for n, c in contents.items())
+    assert (report.files_copied, report.files_skipped) == (3, 0)
+    assert stage.stage(src_dir, dest, splits=["train"]).files_copied == 0
+    with pytest.raises(FileNotFoundError, match="validation-\\*-of-\\*"):
+        stage.stage(src_dir, dest, splits=["validation"])
+    # A source that grew (re-written) no longer matches its staged copy's size: copied again.
+    with open(os.path.join(src_dir, "train-00001-of-00003"), "ab") as f:
+        f.write(b"more")
+    assert stage.stage(src_dir, dest, splits=["train"]).files_copied == 1
+
+
+def test_verify_size_does_not_hash(src, tmp_path, monkeypatch):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    monkeypatch.setattr(stage.hashlib, "sha256", None)  # any hashing would fail
+    report = stage.stage(src_dir, dest, verify="size")
+    assert report.files_copied == 6 and all(read(os.path.join(dest, n)) == c for n, c in contents.items())
+
+
+def test_lock_timeout_is_an_error_not_a_hang(src, tmp_path):
+    src_dir, _ = src
+    dest = str(tmp_path / "local")
+    os.makedirs(dest)
+    with open(os.path.join(dest, stage.LOCK_FILE), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another "process" (another open file description) is copying
+        with pytest.raises(stage.StageError, match="timed out after .* waiting for the staging lock"):
+            stage.stage(src_dir, dest, lock_timeout_s=0.3)
+    assert shard_files(dest) == []
+
+
+# ---------------------------------------------------------------------------- real processes
+
+
+def _stage_in_child(src_dir, dest, barrier, results):
+    barrier.wait()  # all start together, so they really compete for the lock
+    results.put(dataclasses.asdict(stage.stage(src_dir, dest)))
+
+
+def _stage_and_die_midway(src_dir, dest, die_on_file):
+    """A copier killed -9 in the middle of its `die_on_file`-th file, partial copy on disk."""
+    real_copy_stream = stage._copy_stream
+    calls = []
+
+    def dying_copy_stream(src, partial, digest):
+        calls.append(src)
+        if len(calls) == die_on_file:
+            with open(partial, "wb") as f:
+                f.write(b"half a shard")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_copy_stream(src, partial, digest)
+
+    stage._copy_stream = dying_copy_stream
+    stage.stage(src_dir, dest, num_threads=1)
+
+
+def test_concurrent_processes_copy_each_file_once(tmp_path):
+    src_dir, dest = str(tmp_path / "shared"), str(tmp_path / "local")
+    contents = {**write_shards(src_dir, "train", 8, shard_bytes=2 << 20), **write_shards(src_dir, "validation", 2)}
+    ctx = multiprocessing.get_context("spawn")
+    num_procs = 4
+    barrier, results = ctx.Barrier(num_procs), ctx.Queue()
+    procs = [ctx.Process(target=_stage_in_child, args=(src_dir, dest, barrier, results)) for _ in range(num_procs)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    reports = [results.get(timeout=5) for _ in procs]
+    assert sum(r["copied_by_this_process"] for r in reports) == 1
+    assert sum(r["files_copied"] for r in reports) == len(contents)
+    waiters = [r for r in reports if not r["copied_by_this_process"]]
+    assert all(r["files_skipped"] == len(contents) and r["bytes_copied"] == 0 for r in waiters)
+    assert shard_files(dest) == sorted(contents) and partial_files(dest) == []
+    assert all(read(os.path.join(dest, n)) == c for n, c in contents.items())
+
+
+def test_a_crashed_copier_is_taken_over(src, tmp_path):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    child = multiprocessing.get_context("spawn").Process(target=_stage_and_die_midway, args=(src_dir, dest, 3))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == -signal.SIGKILL
+    # 2 done, 1 half-written (a temp of the state file may be left too: it is saved while the next file copies).
+    assert len(shard_files(dest)) == 2
+    half_written = f"{stage.PARTIAL_PREFIX}train-00002-of-00004.{child.pid}"
+    assert [n for n in partial_files(dest) if "-of-" in n] == [half_written]
+
+    report = stage.stage(src_dir, dest, lock_timeout_s=10)  # the kernel released the dead copier's lock
+    assert report.copied_by_this_process and (report.files_copied, report.files_skipped) == (4, 2)
+    assert partial_files(dest) == []
+    assert all(read(os.path.join(dest, n)) == c for n, c in contents.items())
+    assert stage.stage(src_dir, dest).files_copied == 0
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def run_tool(*args, env=None):
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "stage_data.py"), *args],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_cli(src, tmp_path):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--splits=train,validation", "--verify=sha256")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == dest
+    assert "copied 6 files" in done.stderr and "MB/s" in done.stderr
+    assert shard_files(dest) == sorted(contents)
+    again = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}")
+    assert again.returncode == 0 and "already staged: 6 files" in again.stderr
+
+    missing = str(tmp_path / "no_such_dir")
+    failed = run_tool(f"--src_dir={missing}", f"--dest_dir={dest}")
+    assert failed.returncode != 0 and missing in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_cli_default_dest_is_under_tmpdir(src, tmp_path):
+    src_dir, contents = src
+    node_local = str(tmp_path / "job_tmp")
+    os.makedirs(node_local)
+    done = run_tool(f"--src_dir={src_dir}", "--splits=validation", env={"TMPDIR": node_local})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == os.path.join(node_local, "tfscale_data")
+    assert shard_files(done.stdout.strip()) == ["validation-00000-of-00002", "validation-00001-of-00002"]
+
+
+def test_default_stage_root(monkeypatch):
+    monkeypatch.setenv("TMPDIR", "/local/job123")
+    assert stage.default_stage_root() == "/local/job123"
+    monkeypatch.delenv("TMPDIR")
+    assert stage.default_stage_root() == "/tmp"
