@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 	touch $@
 
 demo: venv
-	$(PY) -m tfscale.train --config=configs/smoke.py --workdir=runs/demo
+	$(PY) tools/digits_demo.py --workdir=runs/demo
 
 test: venv
 	$(PY) -m pytest -q

@@ -100,10 +100,11 @@ def test_interrupted_run_resumes_exactly(smoke_run, tmp_path):
     rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == [10, 20, 30, 40, 50, 60]  # nothing repeated, nothing skipped
-    reference = {r["step"]: r["loss"] for r in read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl")) if "loss" in r}
+    reference = {r["step"]: r for r in read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl")) if "loss" in r}
     for row in rows:
         if "loss" in row:
-            assert row["loss"] == pytest.approx(reference[row["step"]], rel=1e-4, abs=1e-5)
+            assert row["loss"] == pytest.approx(reference[row["step"]]["loss"], rel=1e-4, abs=1e-5)
+            assert row["lr"] == pytest.approx(reference[row["step"]]["lr"], rel=1e-6)  # same point of the LR curve
 
     resumed, uninterrupted = checkpoint_values(workdir), checkpoint_values(smoke_run[0])
     assert resumed.keys() == uninterrupted.keys()

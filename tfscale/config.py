@@ -24,7 +24,7 @@ LARGE_BATCH_WITHOUT_LARS = 8192
 
 # Names the code dispatches on. They live here (not imported from the modules that implement them)
 # so validating a config does not import TensorFlow.
-DATASETS = ("synthetic", "synthetic_learnable")
+DATASETS = ("synthetic", "synthetic_learnable", "tfrecord", "tfds")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 BACKENDS = ("one_device", "mirrored", "multi_worker")
 BENCHMARK_MODES = ("train", "synthetic", "input")
@@ -45,7 +45,28 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.data_format = "channels_last"  # channels_first can be faster on some GPUs; CPUs need last
 
     c.data = ml_collections.ConfigDict()
-    c.data.dataset = "synthetic"  # synthetic (random, like tf_cnn_benchmarks) | synthetic_learnable
+    c.data.dataset = "synthetic"  # synthetic (random, like tf_cnn_benchmarks) | synthetic_learnable | tfrecord | tfds
+    c.data.data_dir = ""  # TFRecord shard directory (tfrecord) or local TFDS data_dir (tfds; never downloads)
+    c.data.stage_dir = ""  # copy shards here first (node-local SSD, e.g. $TMPDIR); "" reads in place
+    c.data.tfds_name = ""  # TFDS dataset name, e.g. imagenet2012 (dataset=tfds)
+    c.data.train_split = "train"  # shard file prefix (train-00000-of-01024) or TFDS split
+    c.data.eval_split = "validation"  # shard file prefix or TFDS split
+    c.data.label_offset = 1  # subtracted from stored labels: ImageNet shards are 1-based (0 unused)
+    c.data.augment = "imagenet"  # imagenet (random-resized crop + flip) | cifar (pad 4, crop, flip) | none
+    c.data.eval_crop_fraction = 0.875  # imagenet eval: central crop of the shorter side, then resize
+    c.data.batch_augment = "none"  # none | randaugment | mixup | cutmix (Keras core layers, in tf.data)
+    c.data.randaugment_ops = 2  # RandAugment: operations per image
+    c.data.randaugment_factor = 0.5  # RandAugment: magnitude in [0, 1]
+    c.data.mixup_alpha = 0.2  # MixUp: Beta(alpha, alpha) mixing
+    c.data.cutmix_factor = 1.0  # CutMix: Beta parameter of the box size
+    c.data.shuffle_buffer = 10_000  # examples held for shuffling, per worker
+    c.data.interleave_cycle = 16  # shards read in parallel, per worker
+    c.data.deterministic = False  # True: reproducible order at some speed cost
+    c.data.cache = False  # cache decoded-ready records in RAM (small datasets only)
+    c.data.private_threads = 0  # tf.data private thread pool size; 0: share TensorFlow's
+    c.data.ram_budget_mb = 0  # tf.data autotune RAM budget; 0: TensorFlow's default
+    c.data.assignment = "disjoint"  # disjoint | overlap | full: which data each worker reads
+    c.data.overlap_copies = 2  # overlap: copies of every example across workers (1 = disjoint, M = full)
     c.data.image_size = 224  # square training/eval resolution in pixels
     c.data.num_classes = 1000  # classes the model predicts 
     c.data.num_train_examples = 1_281_167  # examples per training epoch (ImageNet-1k train)
@@ -173,17 +194,23 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
     """Raises ValueError naming the offending key and value; returns None for a usable config."""
     # Imported here: models pulls in Keras, and the other checks should not pay for it.
     from tfscale import models, optim, schedules
+    from tfscale.data import assignment, preprocess
 
     _require_choice("model.name", cfg.model.name, models.MODELS)
     _require_choice("optim.name", cfg.optim.name, optim.OPTIMIZERS)
     _require_choice("data.dataset", cfg.data.dataset, DATASETS)
+    _require_choice("data.augment", cfg.data.augment, preprocess.AUGMENTS)
+    _require_choice("data.batch_augment", cfg.data.batch_augment, preprocess.BATCH_AUGMENTS)
+    _require_choice("data.assignment", cfg.data.assignment, assignment.SCHEMES)
+    if cfg.data.assignment == "overlap" and cfg.data.overlap_copies < 1:
+        raise ValueError(f"config.data.overlap_copies must be >= 1, got {cfg.data.overlap_copies}")
     _require_choice("precision", cfg.precision, PRECISIONS)
     _require_choice("distribute.backend", cfg.distribute.backend, BACKENDS)
     _require_choice("benchmark.mode", cfg.benchmark.mode, BENCHMARK_MODES)
     _require_choice("model.data_format", cfg.model.data_format, ("channels_first", "channels_last"))
     _require_positive(cfg, (
         "data.image_size", "data.num_classes", "data.num_train_examples", "data.num_eval_examples",
-        "data.global_batch_size", "optim.lr",
+        "data.global_batch_size", "data.shuffle_buffer", "data.interleave_cycle", "optim.lr",
         "train.epochs", "train.log_every_steps", "train.eval_every_epochs",
         "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
         "benchmark.num_batches", "benchmark.display_every",
@@ -193,6 +220,14 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
             f"config.data.global_batch_size={cfg.data.global_batch_size} exceeds "
             f"config.data.num_train_examples={cfg.data.num_train_examples}: not one full step per epoch"
         )
+    if cfg.data.dataset in ("tfrecord", "tfds") and not cfg.data.data_dir:
+        raise ValueError(f"config.data.dataset={cfg.data.dataset!r} needs config.data.data_dir")
+    if cfg.data.dataset == "tfds" and not cfg.data.tfds_name:
+        raise ValueError("config.data.dataset='tfds' needs config.data.tfds_name (e.g. imagenet2012)")
+    if cfg.data.label_offset < 0:
+        raise ValueError(f"config.data.label_offset must be >= 0, got {cfg.data.label_offset}")
+    if not 0.0 < cfg.data.eval_crop_fraction <= 1.0:
+        raise ValueError(f"config.data.eval_crop_fraction must be in (0, 1], got {cfg.data.eval_crop_fraction}")
     _require_divisible("data.global_batch_size", cfg.data.global_batch_size, num_replicas)
     eval_batch = eval_global_batch_size(cfg.data)
     if eval_batch <= 0:

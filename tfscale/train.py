@@ -57,9 +57,10 @@ def build_optimizer(cfg: ml_collections.ConfigDict, model: keras.Model) -> keras
 
 
 def _cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
-    one_hot = tf.one_hot(labels, num_classes, dtype=tf.float32)
+    """Per-example loss in float32; `labels` are class ids, or soft targets from MixUp/CutMix."""
+    targets = labels if labels.dtype.is_floating else tf.one_hot(labels, num_classes, dtype=tf.float32)
     return keras.losses.categorical_crossentropy(
-        one_hot, tf.cast(logits, tf.float32), from_logits=True, label_smoothing=label_smoothing
+        tf.cast(targets, tf.float32), tf.cast(logits, tf.float32), from_logits=True, label_smoothing=label_smoothing
     )
 
 
@@ -176,6 +177,10 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
 
 
 def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks) -> dict:
+    # Data problems (missing shards, manifest mismatch) surface before any model is built.
+    data_dir = pipeline.prepare_data_dir(
+        cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples
+    )
     keras.utils.set_random_seed(cfg.seed)
     strategy = cluster.strategy
     with strategy.scope():
@@ -204,11 +209,12 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks) -> dic
             return json.load(f)
 
     train_ds = strategy.distribute_datasets_from_function(
-        pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step)
+        pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step, data_dir=data_dir)
     )
     eval_ds = strategy.distribute_datasets_from_function(
         pipeline.eval_input_fn(
-            cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size, num_steps=steps.eval_steps
+            cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size, num_steps=steps.eval_steps,
+            data_dir=data_dir,
         )
     )
     train_step = make_train_step(cfg, cluster, model, optimizer)

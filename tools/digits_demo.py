@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""The demo: real handwritten digits -> image folders -> TFRecord shards -> training -> eval top-1.
+
+scikit-learn ships 1,797 real 8x8 digit scans (UCI optdigits). This writes them as a class-folder
+image tree (PNG, upscaled to 32x32), holds out a stratified 20% as the validation split, converts
+both splits with tfscale's conversion tool and trains configs/digits.py on the shards.
+
+    python tools/digits_demo.py --workdir=runs/demo [--config.x.y=v ...]
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+from absl import app, flags, logging
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from tfscale.data import convert
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where images, shards and the training run go.")
+_HOLDOUT_FRACTION = 0.2
+_IMAGE_SIZE_PX = 32
+
+
+def write_image_tree(root: str, seed: int = 0) -> dict:
+    """Writes train/ and validation/ class trees of PNGs; returns {split: number of images}."""
+    digits = load_digits()
+    rng = np.random.default_rng(seed)
+    counts = {"train": 0, "validation": 0}
+    for label in range(10):
+        indices = rng.permutation(np.flatnonzero(digits.target == label))
+        num_holdout = round(len(indices) * _HOLDOUT_FRACTION)
+        for position, index in enumerate(indices):
+            split = "validation" if position < num_holdout else "train"
+            folder = os.path.join(root, split, f"digit_{label}")
+            os.makedirs(folder, exist_ok=True)
+            pixels = (digits.images[index] * (255.0 / 16.0)).astype(np.uint8)  # scans are 0..16
+            image = Image.fromarray(pixels, mode="L").resize((_IMAGE_SIZE_PX, _IMAGE_SIZE_PX), Image.BICUBIC)
+            image.save(os.path.join(folder, f"scan_{index:04d}.png"))
+            counts[split] += 1
+    return counts
+
+
+def main(argv):
+    workdir = os.path.abspath(_WORKDIR.value)
+    images_dir, shards_dir = os.path.join(workdir, "images"), os.path.join(workdir, "shards")
+    counts = write_image_tree(images_dir)
+    for split, num_shards in (("train", 4), ("validation", 2)):
+        convert.convert(os.path.join(images_dir, split), shards_dir, split, num_shards)
+    logging.info("converted %s images into %s", counts, shards_dir)
+    train_dir = os.path.join(workdir, "train")
+    command = [
+        sys.executable, "-m", "tfscale.train", "--config=configs/digits.py", f"--workdir={train_dir}",
+        f"--config.data.data_dir={shards_dir}", f"--config.data.num_train_examples={counts['train']}",
+        f"--config.data.num_eval_examples={counts['validation']}", *argv[1:],
+    ]
+    subprocess.run(command, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(train_dir, "summary.json")) as f:
+        import json
+
+        summary = json.load(f)
+    print(f"\ndigits demo: eval top-1 {summary['eval_top1']:.4f} on {counts['validation']} held-out real scans "
+          f"after {summary['steps']} steps ({summary['images_per_sec']} images/sec); workdir {train_dir}")
+
+
+if __name__ == "__main__":
+    app.run(main)
