@@ -6,7 +6,7 @@ TF_EXTRA ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TF_EXTRA)
 
-.PHONY: venv demo test test-fast test-slow clean
+.PHONY: venv demo test test-fast test-slow bench-input clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,16 @@ test-fast: venv
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow
+
+# Input pipeline vs decode-only ceiling vs Keras image_dataset_from_directory, on real-photo JPEGs.
+bench-input: venv
+	test -d runs/photos || $(PY) tools/make_photo_tree.py runs/photos --classes 10 --per_class 200
+	test -f runs/photo_shards/train-manifest.json || \
+	  $(PY) tools/tfrecord_convert.py --input_dir=runs/photos --output_dir=runs/photo_shards --split=train --num_shards=16
+	$(PY) -m tfscale.benchmark --config=configs/r50_1gpu.py --workdir=runs/bench_input \
+	  --config.benchmark.mode=input --config.data.dataset=tfrecord --config.data.data_dir=runs/photo_shards \
+	  --config.benchmark.image_dir=runs/photos --config.data.global_batch_size=128 \
+	  --config.benchmark.num_batches=40 --config.benchmark.num_warmup_batches=5
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import sys
+
 import ml_collections
-from absl import logging
+from absl import flags, logging
 
 # Above this global batch plain SGD loses accuracy even with warmup (Goyal et al. 2017: 8k is the
 # limit of linear scaling); LARS is what carries ResNet-50 past it.
@@ -117,6 +119,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.benchmark.num_warmup_batches = 10  # steps excluded from the reported rate
     c.benchmark.num_batches = 100  # timed steps
     c.benchmark.display_every = 10  # print a step line this often
+    c.benchmark.image_dir = ""  # input mode: the same images as a JPEG class tree, for the Keras baseline
+    c.benchmark.input_rounds = 3  # input mode: interleaved rounds per pipeline; the median is reported
     return c
 
 
@@ -213,7 +217,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
         "data.global_batch_size", "data.shuffle_buffer", "data.interleave_cycle", "optim.lr",
         "train.epochs", "train.log_every_steps", "train.eval_every_epochs",
         "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
-        "benchmark.num_batches", "benchmark.display_every",
+        "benchmark.num_batches", "benchmark.display_every", "benchmark.input_rounds",
     ))
     if cfg.data.global_batch_size > cfg.data.num_train_examples:
         raise ValueError(
@@ -240,3 +244,15 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
             "loss; large-batch recipes use LARS (see configs/r50_lars_32k.py)",
             cfg.data.global_batch_size, LARGE_BATCH_WITHOUT_LARS, cfg.optim.name,
         )
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing for the CLIs, with a one-line error for a config key that does not exist."""
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as err:  # raised by the locked ConfigDict
+        message = err
+        while isinstance(message, BaseException) and message.args:  # unwrap AttributeError(KeyError(str))
+            message = message.args[0]
+        overrides = " ".join(a for a in argv[1:] if a.startswith("--config."))
+        sys.exit(f"FATAL unknown config key among {overrides}: {' '.join(str(message).split())}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 
@@ -290,22 +289,10 @@ def main(argv):
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing, with a one-line error for a config key that does not exist."""
-    try:
-        return flags.FLAGS(argv)
-    except (AttributeError, KeyError) as err:  # raised by the locked ConfigDict
-        message = err
-        while isinstance(message, BaseException) and message.args:  # unwrap AttributeError(KeyError(str))
-            message = message.args[0]
-        overrides = " ".join(a for a in argv[1:] if a.startswith("--config."))
-        sys.exit(f"FATAL unknown config key among {overrides}: {' '.join(str(message).split())}")
-
-
 def run():
     """Console-script entry point (`tfscale-train`)."""
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=tfs_config.parse_flags)
 
 
 if __name__ == "__main__":
