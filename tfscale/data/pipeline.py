@@ -150,11 +150,12 @@ def _tfds_records(data_cfg, split: str, input_context, *, seed: int, shuffle_fil
     return ds.map(lambda ex: (ex["image"], ex["label"] - data_cfg.label_offset))
 
 
-def _options(data_cfg: ml_collections.ConfigDict) -> tf.data.Options:
+def _options(data_cfg: ml_collections.ConfigDict, deterministic: bool | None = None) -> tf.data.Options:
+    """`deterministic`: None follows data.deterministic; True where order is correctness (eval)."""
     options = tf.data.Options()
     # tfscale shards by itself (per input pipeline); a second, automatic sharding would drop data.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    options.deterministic = bool(data_cfg.deterministic)
+    options.deterministic = bool(data_cfg.deterministic if deterministic is None else deterministic)
     if data_cfg.private_threads:
         options.threading.private_threadpool_size = data_cfg.private_threads
     if data_cfg.ram_budget_mb:
@@ -162,8 +163,8 @@ def _options(data_cfg: ml_collections.ConfigDict) -> tf.data.Options:
     return options
 
 
-def _finish(ds: tf.data.Dataset, data_cfg) -> tf.data.Dataset:
-    return ds.with_options(_options(data_cfg)).prefetch(tf.data.AUTOTUNE)
+def _finish(ds: tf.data.Dataset, data_cfg, deterministic: bool | None = None) -> tf.data.Dataset:
+    return ds.with_options(_options(data_cfg, deterministic)).prefetch(tf.data.AUTOTUNE)
 
 
 def _batch_augment(ds: tf.data.Dataset, data_cfg) -> tf.data.Dataset:
@@ -269,6 +270,8 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batc
             (tf.zeros([size, size, 3], tf.uint8), tf.constant(0, tf.int32), tf.constant(0.0))
         ).repeat()
         ds = real.concatenate(padding).take(num_steps * local_replicas * per_replica_batch)
-        return _finish(ds.batch(per_replica_batch, drop_remainder=True), data_cfg)
+        # Always deterministic: the options also reach upstream ops that take their order from them
+        # (TFDS's parallel decode map), and example i must be the same example on every worker.
+        return _finish(ds.batch(per_replica_batch, drop_remainder=True), data_cfg, deterministic=True)
 
     return input_fn
