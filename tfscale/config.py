@@ -44,6 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.zero_init_residual = True  # last BN gamma of each residual block starts at 0 (Goyal et al.)
     c.model.bn_momentum = 0.9  # Keras BatchNormalization momentum (moving-average decay)
     c.model.bn_epsilon = 1e-5  # BatchNormalization epsilon
+    c.model.sync_bn = False  # BatchNorm statistics over all replicas (exact N x b == 1 x N*b; costs an all-reduce)
     c.model.data_format = "channels_last"  # channels_first can be faster on some GPUs; CPUs need last
 
     c.data = ml_collections.ConfigDict()
@@ -113,6 +114,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribute = ml_collections.ConfigDict()
     c.distribute.backend = "one_device"  # one_device | mirrored (all local GPUs) | multi_worker (MWMS, TF_CONFIG)
     c.distribute.num_cpu_devices = 1  # mirrored on a CPU host: split the CPU into this many devices
+    c.distribute.connect_timeout_s = 300.0  # multi_worker: all workers must answer within this, else exit 69
+    c.distribute.heartbeat_timeout_s = 60.0  # multi_worker: a worker silent this long is dead; the rest fail
+    c.distribute.collective_timeout_s = 0.0  # abort any single all-reduce after this long (0: no limit)
+    c.distribute.collective_impl = "AUTO"  # AUTO | RING | NCCL (NCCL on GPU clusters)
+    c.distribute.pack_bytes = 0  # all-reduce packing: bytes per pack (0: TensorFlow's default)
+    c.distribute.port_base = 0  # Slurm without TF_CONFIG: first worker port (0: derived from SLURM_JOB_ID)
 
     c.benchmark = ml_collections.ConfigDict()
     c.benchmark.mode = "train"  # train | synthetic | input
@@ -212,11 +219,13 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
     _require_choice("distribute.backend", cfg.distribute.backend, BACKENDS)
     _require_choice("benchmark.mode", cfg.benchmark.mode, BENCHMARK_MODES)
     _require_choice("model.data_format", cfg.model.data_format, ("channels_first", "channels_last"))
+    _require_choice("distribute.collective_impl", cfg.distribute.collective_impl, ("AUTO", "NCCL", "RING"))
     _require_positive(cfg, (
         "data.image_size", "data.num_classes", "data.num_train_examples", "data.num_eval_examples",
         "data.global_batch_size", "data.shuffle_buffer", "data.interleave_cycle", "optim.lr",
         "train.epochs", "train.log_every_steps", "train.eval_every_epochs",
         "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
+        "distribute.connect_timeout_s", "distribute.heartbeat_timeout_s",
         "benchmark.num_batches", "benchmark.display_every", "benchmark.input_rounds",
     ))
     if cfg.data.global_batch_size > cfg.data.num_train_examples:

@@ -3,18 +3,34 @@
 `setup(cfg.distribute) -> Cluster` returns everything the rest of tfscale needs to know about the
 topology (rank, size, replicas, chief) and the strategy to run steps with. Rank checks elsewhere go
 through `Cluster.is_chief`, so there is one definition of "the process that writes files".
+
+Multi-worker jobs (`multi_worker`, MultiWorkerMirroredStrategy) take their cluster from, in order:
+an explicit TF_CONFIG; a Slurm allocation (SLURM_PROCID / SLURM_NTASKS / SLURM_JOB_NODELIST /
+SLURM_TASKS_PER_NODE, ports from `distribute.port_base`); `python -m tfscale.launch`, which writes a
+TF_CONFIG. Users' top complaint about MWMS is jobs that hang, so setup never waits unboundedly:
+  * a watchdog process names the workers that did not answer and kills the worker (exit 137) when
+    the cluster is not up within `connect_timeout_s` (TensorFlow itself would wait forever);
+  * a pre-flight all-reduce proves every worker answers before any real work;
+  * TensorFlow's coordination service declares a worker dead after `heartbeat_timeout_s` without a
+    heartbeat, and the others then fail their next collective instead of waiting.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import re
 import socket
+import subprocess
+import sys
 
 import ml_collections
 import tensorflow as tf
 from absl import logging
 
 from tfscale.config import BACKENDS
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +44,7 @@ class Cluster:
     local_rank: int  # index among the workers on this host
     num_replicas: int  # model replicas over all workers (one per device)
     host: str
+    worker_addresses: tuple[str, ...] = ()  # host:port of every worker (multi_worker only)
 
     @property
     def is_chief(self) -> bool:
@@ -40,6 +57,155 @@ class Cluster:
             f"tfscale worker rank={self.rank}/{self.size} local_rank={self.local_rank} host={self.host} "
             f"backend={self.backend} replicas={self.num_replicas} devices={devices}"
         )
+
+
+# --- Slurm -----------------------------------------------------------------------------------------
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed host list -> host names: 'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1."""
+    hosts = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", hostlist):
+        prefix, ranges, suffix = match.groups()
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            width = len(first)  # zero padding is part of the name: [01-03] -> 01, 02, 03
+            for number in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{number:0{width}d}{suffix}")
+    return hosts
+
+
+def expand_tasks_per_node(tasks_per_node: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE '2(x3),1' -> [2, 2, 2, 1]."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts
+
+
+def slurm_tf_config(env: dict, port_base: int) -> dict:
+    """A TF_CONFIG for Slurm's default block distribution: task i runs on the node holding slot i."""
+    hosts = expand_hostlist(env["SLURM_JOB_NODELIST"])
+    counts = expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
+    if len(hosts) != len(counts):
+        raise ValueError(f"SLURM_JOB_NODELIST has {len(hosts)} hosts but SLURM_TASKS_PER_NODE describes {len(counts)}")
+    if not port_base:
+        # A different base per job, so two jobs sharing a node do not collide.
+        port_base = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+    workers = [f"{host}:{port_base + local}" for host, count in zip(hosts, counts) for local in range(count)]
+    num_tasks = int(env["SLURM_NTASKS"])
+    if len(workers) != num_tasks:
+        raise ValueError(f"SLURM_NTASKS={num_tasks} but the node list holds {len(workers)} task slots")
+    return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": int(env["SLURM_PROCID"])}}
+
+
+def local_rank_from_env(env: dict) -> int:
+    """This process's index on its host, from whichever launcher started it."""
+    for key in ("TFSCALE_LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK"):
+        if key in env:
+            return int(env[key])
+    return 0
+
+
+def _resolve_tf_config(dist_cfg: ml_collections.ConfigDict, env: dict) -> dict | None:
+    if "TF_CONFIG" in env:
+        return json.loads(env["TF_CONFIG"])
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return slurm_tf_config(env, dist_cfg.port_base)
+    return None
+
+
+# --- hang protection -------------------------------------------------------------------------------
+
+
+# Runs in its own small process: while TensorFlow connects the cluster, the main thread sits in C++
+# holding the GIL, so no Python thread of ours could run (or even exit) until it returns.
+_WATCHDOG_SOURCE = r"""
+import os, select, signal, socket, sys
+timeout_s, parent_pid, own_index = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+addresses = sys.argv[4:]
+ready, _, _ = select.select([sys.stdin], [], [], timeout_s)
+if ready:  # the parent finished connecting (closed the pipe) or died (EOF too)
+    sys.exit(0)
+silent = []
+for index, address in enumerate(addresses):
+    if index == own_index:
+        continue
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2.0).close()
+    except OSError as err:
+        silent.append(f"worker {index} at {address} ({err.strerror or err})")
+print(
+    f"tfscale pre-flight: the cluster did not come up within distribute.connect_timeout_s={timeout_s:g}s; "
+    f"no answer from: {'; '.join(silent) or '(every port answers: a worker may be stuck or misconfigured)'}. "
+    "Check TF_CONFIG / the Slurm allocation and that every worker started. Stopping this worker.",
+    file=sys.stderr, flush=True,
+)
+os.kill(parent_pid, signal.SIGKILL)
+"""
+
+
+def _start_watchdog(timeout_s: float, addresses, own_index: int) -> subprocess.Popen:
+    """A watchdog process that names silent workers and kills this one if connecting takes too long.
+
+    Close its stdin (`_stop_watchdog`) once the cluster is up.
+    """
+    return subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG_SOURCE, str(timeout_s), str(os.getpid()), str(own_index), *addresses],
+        stdin=subprocess.PIPE,
+    )
+
+
+def _stop_watchdog(watchdog: subprocess.Popen) -> None:
+    watchdog.stdin.close()
+    watchdog.wait()
+
+
+def _configure_coordination_service(tf_config: dict, heartbeat_timeout_s: float) -> None:
+    """Sets the dead-worker detection time before MWMS would configure the service with defaults.
+
+    This is the private call MultiWorkerMirroredStrategy makes itself (it skips its own when a
+    service is configured); no public API exposes the heartbeat timeout.
+    """
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.eager import context
+
+    num_workers = len(tf_config["cluster"]["worker"])
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader="/job:worker/replica:0/task:0",
+        heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000),
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=num_workers)],
+    )
+
+
+def _communication_options(dist_cfg: ml_collections.ConfigDict) -> tf.distribute.experimental.CommunicationOptions:
+    implementation = getattr(tf.distribute.experimental.CommunicationImplementation, dist_cfg.collective_impl)
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=dist_cfg.pack_bytes,
+        timeout_seconds=dist_cfg.collective_timeout_s or None,
+        implementation=implementation,
+    )
+
+
+def preflight_all_reduce(strategy: tf.distribute.Strategy) -> None:
+    """Every replica contributes 1; anything but the replica count means the cluster is broken."""
+
+    @tf.function
+    def count_replicas():
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+    total = float(count_replicas())
+    if total != strategy.num_replicas_in_sync:
+        raise RuntimeError(f"pre-flight all-reduce counted {total} replicas, expected {strategy.num_replicas_in_sync}")
+
+
+# --- strategies ------------------------------------------------------------------------------------
 
 
 def _split_cpu(num_devices: int) -> list[str]:
@@ -57,6 +223,15 @@ def _split_cpu(num_devices: int) -> list[str]:
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
+def _pin_gpu(local_rank: int) -> None:
+    """One GPU per worker process, chosen by local rank (when the scheduler left several visible)."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if len(gpus) > 1:
+        tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")
+    for gpu in tf.config.list_physical_devices("GPU"):
+        tf.config.experimental.set_memory_growth(gpu, True)
+
+
 def _one_device_strategy() -> tf.distribute.Strategy:
     gpus = tf.config.list_logical_devices("GPU")
     return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
@@ -68,38 +243,52 @@ def _mirrored_strategy(dist_cfg: ml_collections.ConfigDict) -> tf.distribute.Str
         return tf.distribute.MirroredStrategy()
     devices = _split_cpu(dist_cfg.num_cpu_devices)
     # NCCL does not exist on CPU; the reduce-to-one-device path is exact and fine for a few devices.
-    return tf.distribute.MirroredStrategy(
-        devices=devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
-    )
+    return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
-def _multi_worker_strategy() -> tuple[tf.distribute.Strategy, int, int]:
-    """MultiWorkerMirroredStrategy from TF_CONFIG (without one: a single-worker job); (strategy, rank, size)."""
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
-    workers = resolver.cluster_spec().as_dict().get("worker", [None])
-    return strategy, int(resolver.task_id or 0), len(workers)
+def _multi_worker_strategy(dist_cfg, tf_config: dict | None, local_rank: int) -> tf.distribute.Strategy:
+    if tf_config is None:  # not in a cluster: a one-worker MWMS job, handy for testing the path
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=_communication_options(dist_cfg))
+    os.environ["TF_CONFIG"] = json.dumps(tf_config)  # what TFConfigClusterResolver reads
+    _pin_gpu(local_rank)
+    addresses = tf_config["cluster"]["worker"]
+    watchdog = _start_watchdog(dist_cfg.connect_timeout_s, addresses, tf_config["task"]["index"])
+    try:
+        _configure_coordination_service(tf_config, dist_cfg.heartbeat_timeout_s)
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=_communication_options(dist_cfg))
+        preflight_all_reduce(strategy)
+    finally:
+        _stop_watchdog(watchdog)
+    return strategy
 
 
-def setup(dist_cfg: ml_collections.ConfigDict) -> Cluster:
-    """Builds the strategy for `dist_cfg.backend` and logs this worker's topology line."""
-    rank, size = 0, 1
+def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Cluster:
+    """Builds the strategy for `dist_cfg.backend`, checks the cluster answers, logs the topology."""
+    env = dict(os.environ if env is None else env)
+    local_rank = local_rank_from_env(env)
+    tf_config = None
     if dist_cfg.backend == "one_device":
         strategy = _one_device_strategy()
     elif dist_cfg.backend == "mirrored":
         strategy = _mirrored_strategy(dist_cfg)
     elif dist_cfg.backend == "multi_worker":
-        strategy, rank, size = _multi_worker_strategy()
+        tf_config = _resolve_tf_config(dist_cfg, env)
+        strategy = _multi_worker_strategy(dist_cfg, tf_config, local_rank)
     else:
         raise ValueError(f"config.distribute.backend={dist_cfg.backend!r} is not one of: {', '.join(BACKENDS)}")
+    addresses = tuple(tf_config["cluster"]["worker"]) if tf_config else ()
     cluster = Cluster(
         backend=dist_cfg.backend,
         strategy=strategy,
-        rank=rank,
-        size=size,
-        local_rank=0,
+        rank=tf_config["task"]["index"] if tf_config else 0,
+        size=len(addresses) or 1,
+        local_rank=local_rank,
         num_replicas=strategy.num_replicas_in_sync,
         host=socket.gethostname(),
+        worker_addresses=addresses,
     )
     logging.info(cluster.topology_line())
+    if not cluster.is_chief:
+        logging.set_verbosity(logging.WARNING)  # one topology line per worker; progress from the chief only
+    tf.get_logger().setLevel("WARNING")  # TF logs every collective it traces at INFO
     return cluster

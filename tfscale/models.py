@@ -84,6 +84,7 @@ class _Options(NamedTuple):
     bn_momentum: float
     bn_epsilon: float
     zero_init_residual: bool
+    sync_bn: bool = False
 
     @property
     def channel_axis(self) -> int:
@@ -130,6 +131,9 @@ def _batch_norm(x, name: str, opts: _Options, *, closes_residual_branch: bool = 
         momentum=opts.bn_momentum,
         epsilon=opts.bn_epsilon,
         gamma_initializer="zeros" if zero_gamma else "ones",
+        # Cross-replica batch statistics: with them, N replicas x batch b compute exactly what one
+        # replica with batch N*b computes (and small per-GPU batches normalise better).
+        synchronized=opts.sync_bn,
         name=name,
     )(x)
 
@@ -240,10 +244,11 @@ def _build_classifier(
     data_format: str = "channels_last",
     mean_rgb=IMAGENET_MEAN_RGB,
     stddev_rgb=IMAGENET_STDDEV_RGB,
+    sync_bn: bool = False,
 ) -> keras.Model:
     """uint8 NHWC images -> normalise (-> NCHW) -> backbone -> global average pool -> float32 logits."""
     _validate(input_shape, data_format, mean_rgb, stddev_rgb)
-    opts = _Options(data_format, bn_momentum, bn_epsilon, zero_init_residual)
+    opts = _Options(data_format, bn_momentum, bn_epsilon, zero_init_residual, sync_bn)
     images = keras.Input(shape=tuple(input_shape), dtype="uint8", name="images")
     x = ImageNormalization(mean_rgb, stddev_rgb, name="normalize")(images)
     if data_format == "channels_first":
@@ -305,6 +310,7 @@ def create(
     data_format: str = "channels_last",
     mean_rgb=IMAGENET_MEAN_RGB,
     stddev_rgb=IMAGENET_STDDEV_RGB,
+    sync_bn: bool = False,
 ) -> keras.Model:
     """Build the model ``name`` (a key of ``MODELS``), uninitialised by any checkpoint.
 
@@ -319,6 +325,7 @@ def create(
       bn_epsilon: BatchNorm variance epsilon.
       data_format: layout used inside the network; input is always NHWC.
       mean_rgb, stddev_rgb: per-channel normalisation on the 0-255 scale.
+      sync_bn: BatchNorm statistics over the global batch (all replicas) instead of per replica.
 
     Returns:
       An uncompiled functional ``keras.Model`` mapping uint8 images to float32 logits.
@@ -337,6 +344,7 @@ def create(
         data_format=data_format,
         mean_rgb=mean_rgb,
         stddev_rgb=stddev_rgb,
+        sync_bn=sync_bn,
     )
 
 

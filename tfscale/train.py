@@ -13,7 +13,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import signal
+import sys
 import tempfile
+import threading
 import time
 
 import keras
@@ -26,6 +30,10 @@ from tfscale import callbacks as tfs_callbacks
 from tfscale import config as tfs_config
 from tfscale import distribute, models, optim, schedules
 from tfscale.data import pipeline
+
+# Exit code after SIGTERM: the checkpoint is saved, rerun the same command (requeue) to resume.
+# 75 is sysexits' EX_TEMPFAIL ("temporary failure; the user is invited to retry").
+EXIT_PREEMPTED = 75
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summaries.")
@@ -41,6 +49,7 @@ def build_model(cfg: ml_collections.ConfigDict) -> keras.Model:
         bn_momentum=cfg.model.bn_momentum,
         bn_epsilon=cfg.model.bn_epsilon,
         data_format=cfg.model.data_format,
+        sync_bn=cfg.model.sync_bn,
     )
 
 
@@ -64,7 +73,11 @@ def _cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
 
 
 def make_train_step(cfg, cluster, model, optimizer):
-    """A compiled function running one global step; returns the mean loss over the global batch."""
+    """A compiled function running one global step.
+
+    `train_step(iterator, stop_requested)` returns [mean loss over the global batch, number of
+    replicas whose worker was asked to stop].
+    """
     global_batch_size = cfg.data.global_batch_size
     weight_decay = optim.loss_weight_decay(cfg.optim)
 
@@ -85,15 +98,17 @@ def make_train_step(cfg, cluster, model, optimizer):
         # all-reduce inside apply_gradients cannot live in an XLA cluster.
         loss_and_grads = tf.function(loss_and_grads, jit_compile=True)
 
-    def replica_step(images, labels):
+    def replica_step(images, labels, stop_requested):
         loss, grads = loss_and_grads(images, labels)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+        # The stop flag rides on the loss all-reduce: if any worker got SIGTERM, every worker
+        # learns it at the same step and they checkpoint together (saving is a collective).
+        return tf.stack([loss, stop_requested])
 
     @tf.function
-    def train_step(iterator):
-        per_replica_loss = cluster.strategy.run(replica_step, args=next(iterator))
-        return cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)
+    def train_step(iterator, stop_requested):
+        per_replica = cluster.strategy.run(replica_step, args=(*next(iterator), stop_requested))
+        return cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     return train_step
 
@@ -140,11 +155,42 @@ def _checkpoint_manager(checkpoint, workdir: str, cluster, max_to_keep: int) -> 
     return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=max_to_keep)
 
 
+def _discard_scratch(manager: tf.train.CheckpointManager, cluster) -> None:
+    if not cluster.is_chief:  # non-chief checkpoints only exist because saving is collective
+        shutil.rmtree(manager.directory, ignore_errors=True)
+
+
 def _write_json(path: str, obj) -> None:
     # Write-then-rename: a killed process never leaves a half-written file behind.
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
     os.replace(path + ".tmp", path)
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; a checkpoint of `step` is saved and the run can be resumed."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted: checkpoint saved at step {step}; rerun the same command to resume")
+        self.step = step
+
+
+def _watch_sigterm() -> tuple[threading.Event, callable]:
+    """An Event set by SIGTERM (Slurm's warning before a kill), and a function restoring the old handler.
+
+    Repeated signals are harmless (Slurm may signal a task twice); the loop acts at the next step.
+    """
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return requested, lambda: None  # signal handlers can only be set from the main thread
+
+    def on_sigterm(signum, frame):
+        if not requested.is_set():
+            logging.warning("SIGTERM: saving a checkpoint after this step, then exiting with %d", EXIT_PREEMPTED)
+        requested.set()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    return requested, lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _check_finite(loss: float, step: int) -> None:
@@ -169,13 +215,15 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
 
     previous_policy = keras.config.dtype_policy()
     keras.config.set_dtype_policy(cfg.precision)
+    stop_requested, restore_sigterm = _watch_sigterm()
     try:
-        return _run(cfg, workdir, cluster, steps, extra_callbacks)
+        return _run(cfg, workdir, cluster, steps, extra_callbacks, stop_requested)
     finally:
+        restore_sigterm()
         keras.config.set_dtype_policy(previous_policy)
 
 
-def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks) -> dict:
+def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_requested: threading.Event) -> dict:
     # Data problems (missing shards, manifest mismatch) surface before any model is built.
     data_dir = pipeline.prepare_data_dir(
         cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples
@@ -195,11 +243,14 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks) -> dic
 
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, global_step=global_step)
     manager = _checkpoint_manager(checkpoint, workdir, cluster, cfg.checkpoint.max_to_keep)
+    # Every worker restores the chief's latest checkpoint (the workdir is on a shared file system);
+    # a non-chief's own scratch directory is empty at every start.
+    latest = tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints"))
     restored_step = None
-    if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+    if latest:
+        checkpoint.restore(latest).assert_existing_objects_matched()
         restored_step = int(global_step.numpy())
-        logging.info("resumed from %s at step %d", manager.latest_checkpoint, restored_step)
+        logging.info("resumed from %s at step %d", latest, restored_step)
     start_step = int(global_step.numpy())
     summary_path = os.path.join(workdir, "summary.json")
     if start_step >= steps.train_steps and os.path.exists(summary_path):
@@ -251,10 +302,14 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks) -> dic
         if batch == 0:
             callback_list.on_epoch_begin(epoch)
         callback_list.on_train_batch_begin(batch)
-        loss = float(train_step(iterator).numpy())
+        loss, workers_stopping = train_step(iterator, tf.constant(float(stop_requested.is_set()))).numpy().tolist()
         _check_finite(loss, step + 1)
         global_step.assign(step + 1)
         callback_list.on_train_batch_end(batch, {"loss": loss, "global_step": step + 1})
+        if workers_stopping:
+            saver.save(step + 1)
+            _discard_scratch(manager, cluster)
+            raise Preempted(step + 1)
         if (step + 1) % steps.eval_every_steps == 0 or step + 1 == steps.train_steps:
             eval_results = run_eval(step + 1)
         if batch == steps.steps_per_epoch - 1:
@@ -263,6 +318,7 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks) -> dic
             break
     final_step = int(global_step.numpy())
     callback_list.on_train_end({"global_step": final_step})
+    _discard_scratch(manager, cluster)
     if not eval_results:  # stopped early by a callback, or resumed at the end without a summary
         eval_results = run_eval(final_step)
 
@@ -286,7 +342,11 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks) -> dic
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    try:
+        train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    except Preempted as preempted:
+        logging.warning("%s; exit code %d", preempted, EXIT_PREEMPTED)
+        sys.exit(EXIT_PREEMPTED)
 
 
 def run():

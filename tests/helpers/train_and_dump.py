@@ -1,0 +1,37 @@
+"""Test driver: trains like `python -m tfscale.train`, then saves this worker's final weights.
+
+    python tests/helpers/train_and_dump.py WEIGHTS.npz --config=... --workdir=... [--config.x=y ...]
+
+Every worker writes its own file (and WEIGHTS_init.npz before the first step), so tests can compare the weights each worker ends up with
+(the chief's checkpoint alone cannot show that the workers agree).
+"""
+
+import sys
+
+import keras
+import numpy as np
+from absl import app
+
+from tfscale import config as tfs_config
+from tfscale import train
+
+
+class DumpWeights(keras.callbacks.Callback):
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def on_train_begin(self, logs=None):
+        np.savez(self.path.replace(".npz", "_init.npz"), *[v.numpy() for v in self.model.weights])
+
+    def on_train_end(self, logs=None):
+        np.savez(self.path, *[v.numpy() for v in self.model.weights])
+
+
+def main(argv):
+    train.train_and_evaluate(train._CONFIG.value, train._WORKDIR.value, extra_callbacks=[DumpWeights(OUTPUT)])
+
+
+if __name__ == "__main__":
+    OUTPUT = sys.argv.pop(1)
+    app.run(main, flags_parser=tfs_config.parse_flags)

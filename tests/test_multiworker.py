@@ -1,0 +1,241 @@
+"""Multi-worker training with real processes on 127.0.0.1: agreement, equivalence, preemption, failures.
+
+Slurm host lists and rank resolution are unit-tested at the bottom without processes.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from tfscale import distribute, launch
+
+DRIVER = os.path.join(REPO, "tests", "helpers", "train_and_dump.py")
+# 10 steps of global batch 32 (16 per worker); sync BN makes 2 x 16 compute what 1 x 32 computes.
+SHORT = ["--config=configs/smoke.py", "--config.train.epochs=0.5", "--config.schedule.warmup_epochs=0.25",
+         "--config.model.sync_bn=True", "--config.model.zero_init_residual=False",
+         "--config.train.log_every_steps=5"]
+
+
+def quiet_env(**extra):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
+           "TF_NUM_INTEROP_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TF_CONFIG", None)
+    env.update(extra)
+    return env
+
+
+def start_workers(args, num_workers, log_dir, **env_extra):
+    """One process per worker with TF_CONFIG on free loopback ports, as the launcher would start them."""
+    ports = launch.free_ports(num_workers)
+    procs = []
+    for rank in range(num_workers):
+        env = quiet_env(**launch.worker_env(rank, num_workers, ports, "mwms", 1), **env_extra)
+        log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs, ports
+
+
+def wait_all(procs, timeout_s=300):
+    return [p.wait(timeout=timeout_s) for p in procs]
+
+
+def read_log(log_dir, rank):
+    with open(os.path.join(log_dir, f"rank{rank}.log")) as f:
+        return f.read()
+
+
+def logged_steps(workdir):
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [row for row in map(json.loads, f) if "loss" in row]
+
+
+def weights(path):
+    with np.load(path) as data:
+        return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def assert_weights_close(a, b, rtol, atol):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def one_worker_global_batch(tmp_path_factory):
+    """Reference: 1 worker, 1 replica, global batch 32."""
+    root = tmp_path_factory.mktemp("single")
+    result = subprocess.run(
+        [sys.executable, DRIVER, str(root / "w.npz"), *SHORT, f"--workdir={root / 'run'}"],
+        cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return weights(root / "w.npz"), logged_steps(str(root / "run"))
+
+
+@pytest.mark.slow
+def test_two_workers_agree_and_equal_one_worker_with_the_global_batch(tmp_path, one_worker_global_batch):
+    workdir = str(tmp_path / "run")
+    args = lambda rank: [DRIVER, str(tmp_path / f"w{rank}.npz"), *SHORT, f"--workdir={workdir}",  # noqa: E731
+                         "--config.distribute.backend=multi_worker"]
+    ports = launch.free_ports(2)
+    procs = [
+        subprocess.Popen([sys.executable, *args(rank)], cwd=REPO,
+                         env=quiet_env(**launch.worker_env(rank, 2, ports, "mwms", 1)),
+                         stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT)
+        for rank in range(2)
+    ]
+    assert wait_all(procs) == [0, 0], read_log(tmp_path, 0)[-3000:] + read_log(tmp_path, 1)[-3000:]
+
+    rank0, rank1 = weights(tmp_path / "w0.npz"), weights(tmp_path / "w1.npz")
+    # Each worker trained on its own half of every batch; after the all-reduce they hold the same weights.
+    assert_weights_close(rank0, rank1, rtol=0, atol=0)
+    reference_weights, reference_rows = one_worker_global_batch
+    # ...and what one worker computes with the whole batch of 32. Float sums run in another order
+    # (BN variance over two halves, gradient all-reduce), which 10 steps at LR 0.1 amplify to ~6e-5;
+    # training itself moved the weights by ~1e-2, so the tolerance below still tells right from wrong.
+    initial = weights(tmp_path / "w0_init.npz")
+    moved = max(np.abs(w - w0).max() for w, w0 in zip(rank0, initial))
+    assert moved > 5e-3
+    assert_weights_close(rank0, reference_weights, rtol=2e-3, atol=2e-4)
+    rows = logged_steps(workdir)
+    assert [r["step"] for r in rows] == [r["step"] for r in reference_rows] == [5, 10]
+    for ours, ref in zip(rows, reference_rows):
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-3)
+    summary = json.load(open(os.path.join(workdir, "summary.json")))
+    assert summary["num_workers"] == 2 and summary["num_replicas"] == 2
+    # Only the chief wrote: one topology line per worker, progress lines only in rank 0's log.
+    assert "rank=1/2" in read_log(tmp_path, 1) and "step 10/10" not in read_log(tmp_path, 1)
+    assert "step 10/10" in read_log(tmp_path, 0)
+
+
+@pytest.mark.slow
+def test_mirrored_two_cpu_devices_equals_one_device(tmp_path, one_worker_global_batch):
+    result = subprocess.run(
+        [sys.executable, DRIVER, str(tmp_path / "w.npz"), *SHORT, f"--workdir={tmp_path / 'run'}",
+         "--config.distribute.backend=mirrored", "--config.distribute.num_cpu_devices=2"],
+        cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas=2" in result.stderr
+    assert_weights_close(weights(tmp_path / "w.npz"), one_worker_global_batch[0], rtol=2e-3, atol=2e-4)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_checkpoint_then_relaunch_finishes(tmp_path):
+    workdir = str(tmp_path / "run")
+    command = [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1", "--",
+               "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
+               "--config.distribute.backend=multi_worker", "--config.train.epochs=10", "--config.train.log_every_steps=5"]
+    log = open(tmp_path / "first.log", "w")
+    launcher = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while not any(r["step"] >= 20 for r in logged_steps(workdir)):
+        assert launcher.poll() is None and time.time() < deadline, open(tmp_path / "first.log").read()[-3000:]
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)  # what Slurm sends before the kill
+    assert launcher.wait(timeout=120) == 75, open(tmp_path / "first.log").read()[-3000:]
+    text = open(tmp_path / "first.log").read()
+    saved = [int(line.split("checkpoint saved at step ")[1].split(";")[0]) for line in text.splitlines()
+             if "checkpoint saved at step" in line]
+    assert saved and len(set(saved)) == 1, "both workers must stop at the same step"
+    stopped_at = saved[0]
+    assert 20 <= stopped_at < 200
+    assert os.path.exists(os.path.join(workdir, "checkpoints", f"ckpt-{stopped_at}.index"))
+
+    second = subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert f"resumed from {os.path.join(workdir, 'checkpoints', f'ckpt-{stopped_at}')}" in second.stdout
+    steps = [r["step"] for r in logged_steps(workdir)]
+    assert steps == sorted(set(steps)) and steps[-1] == 200  # nothing repeated, finished
+    assert json.load(open(os.path.join(workdir, "summary.json")))["steps"] == 200
+
+
+@pytest.mark.slow
+def test_killed_worker_ends_the_other_within_the_heartbeat_timeout(tmp_path):
+    workdir = str(tmp_path / "run")
+    procs, _ = start_workers(
+        ["-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}", "--config.train.epochs=500",
+         "--config.distribute.backend=multi_worker", "--config.distribute.heartbeat_timeout_s=5",
+         "--config.train.log_every_steps=5"],
+        2, str(tmp_path),
+    )
+    try:
+        deadline = time.time() + 180
+        while not logged_steps(workdir):
+            assert all(p.poll() is None for p in procs) and time.time() < deadline, read_log(tmp_path, 0)[-3000:]
+            time.sleep(0.2)
+        procs[1].kill()
+        killed_at = time.time()
+        code = procs[0].wait(timeout=120)
+        elapsed_s = time.time() - killed_at
+    finally:
+        for p in procs:
+            p.kill()
+    assert code != 0
+    assert elapsed_s < 60, f"survivor took {elapsed_s:.0f} s to notice"
+    assert "task:1" in read_log(tmp_path, 0)  # TF names the dead worker
+    print(f"survivor exited with {code} {elapsed_s:.1f} s after its peer was killed")
+
+
+@pytest.mark.slow
+def test_wrong_peer_address_fails_preflight_naming_it(tmp_path):
+    port_self, port_nobody = launch.free_ports(2)
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{port_self}", f"127.0.0.1:{port_nobody}"]},
+                 "task": {"type": "worker", "index": 0}}
+    started = time.time()
+    result = subprocess.run(
+        [sys.executable, "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={tmp_path}",
+         "--config.distribute.backend=multi_worker", "--config.distribute.connect_timeout_s=5"],
+        cwd=REPO, env=quiet_env(TF_CONFIG=json.dumps(tf_config)), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert time.time() - started < 60
+    assert f"no answer from: worker 1 at 127.0.0.1:{port_nobody}" in result.stderr
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))  # nothing trained, nothing written
+
+
+# --- cluster resolution, no processes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hostlist, expected", [
+    ("node1", ["node1"]),
+    ("gpu[01-04,07]", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]),
+    ("a[1-2],b3,c[08-10]", ["a1", "a2", "b3", "c08", "c09", "c10"]),
+    ("nid[001-002]-ib", ["nid001-ib", "nid002-ib"]),
+])
+def test_expand_hostlist(hostlist, expected):
+    assert distribute.expand_hostlist(hostlist) == expected
+
+
+def test_expand_tasks_per_node():
+    assert distribute.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert distribute.expand_tasks_per_node("4") == [4]
+
+
+def test_slurm_tf_config_blocks_tasks_by_node():
+    env = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4",
+           "SLURM_PROCID": "3", "SLURM_JOB_ID": "1234"}
+    tf_config = distribute.slurm_tf_config(env, port_base=0)
+    assert tf_config["cluster"]["worker"] == ["gpu01:21234", "gpu01:21235", "gpu02:21234", "gpu02:21235"]
+    assert tf_config["task"] == {"type": "worker", "index": 3}
+    assert distribute.slurm_tf_config(env, port_base=30000)["cluster"]["worker"][0] == "gpu01:30000"
+    with pytest.raises(ValueError, match="SLURM_NTASKS=5"):
+        distribute.slurm_tf_config({**env, "SLURM_NTASKS": "5"}, port_base=0)
+
+
+def test_local_rank_sources():
+    assert distribute.local_rank_from_env({"SLURM_LOCALID": "3"}) == 3
+    assert distribute.local_rank_from_env({"TFSCALE_LOCAL_RANK": "1", "SLURM_LOCALID": "3"}) == 1
+    assert distribute.local_rank_from_env({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}) == 2
+    assert distribute.local_rank_from_env({}) == 0
