@@ -6,7 +6,10 @@ TF_EXTRA ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TF_EXTRA)
 
-.PHONY: venv demo test test-fast test-slow bench-input clean
+.PHONY: venv demo test test-fast test-slow bench-input bench-scaling clean
+
+# TensorFlow's C++ start-up chatter hides the progress lines.
+export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 venv: $(STAMP)
 
@@ -38,6 +41,10 @@ bench-input: venv
 	  --config.benchmark.mode=input --config.data.dataset=tfrecord --config.data.data_dir=runs/photo_shards \
 	  --config.benchmark.image_dir=runs/photos --config.data.global_batch_size=128 \
 	  --config.benchmark.num_batches=40 --config.benchmark.num_warmup_batches=5
+
+# Per-step time of 1 vs 2 local workers (1 thread each): weak-scaling efficiency.
+bench-scaling: venv
+	$(PY) tools/weak_scaling.py --workdir=runs/weak_scaling --workers=1,2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
