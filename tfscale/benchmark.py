@@ -72,7 +72,7 @@ def decode_only_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
 
     ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
     ds = ds.ragged_batch(cfg.data.global_batch_size, drop_remainder=True)
-    return ds.with_options(pipeline._options(cfg.data)).prefetch(tf.data.AUTOTUNE)
+    return ds.with_options(pipeline.tf_data_options(cfg.data)).prefetch(tf.data.AUTOTUNE)
 
 
 def keras_baseline_input(cfg: ml_collections.ConfigDict, image_dir: str) -> tf.data.Dataset:

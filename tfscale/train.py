@@ -287,7 +287,10 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_r
 
     def run_eval(step: int) -> dict:
         callback_list.on_test_begin()
-        results = evaluate(eval_step, eval_ds, steps.eval_steps)
+        try:
+            results = evaluate(eval_step, eval_ds, steps.eval_steps)
+        except tf.errors.DataLossError as err:
+            raise pipeline.explain_data_loss(err, cfg.data, data_dir, cfg.data.eval_split) from err
         logging.info("eval at step %d: top-1 %.4f  top-5 %.4f  loss %.4f  (%d examples)", step,
                      results["eval_top1"], results["eval_top5"], results["eval_loss"], results["eval_examples"])
         callback_list.on_test_end({"step": step, "epoch": round(step / steps.steps_per_epoch, 4), **results})
@@ -302,7 +305,10 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_r
         if batch == 0:
             callback_list.on_epoch_begin(epoch)
         callback_list.on_train_batch_begin(batch)
-        loss, workers_stopping = train_step(iterator, tf.constant(float(stop_requested.is_set()))).numpy().tolist()
+        try:
+            loss, workers_stopping = train_step(iterator, tf.constant(float(stop_requested.is_set()))).numpy().tolist()
+        except tf.errors.DataLossError as err:
+            raise pipeline.explain_data_loss(err, cfg.data, data_dir, cfg.data.train_split) from err
         _check_finite(loss, step + 1)
         global_step.assign(step + 1)
         callback_list.on_train_batch_end(batch, {"loss": loss, "global_step": step + 1})

@@ -65,6 +65,41 @@ def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, s
             raise ValueError(f"shard {path} has {size} bytes but {where} says {shard['bytes']}: truncated or corrupt")
 
 
+_RECORD_HEADER_BYTES = 12  # uint64 length + uint32 masked CRC of the length
+_RECORD_FOOTER_BYTES = 4  # uint32 masked CRC of the data
+
+
+def truncated_shards(paths: list[str]) -> list[str]:
+    """'path: reason' for every TFRecord file whose record framing runs past its end.
+
+    Seeks from header to header, so it reads 12 bytes per record, not the data: cheap enough to
+    run when tf.data has reported a DataLossError without saying which file it was reading.
+    """
+    bad = []
+    for path in paths:
+        size = tf.io.gfile.stat(path).length
+        with tf.io.gfile.GFile(path, "rb") as f:
+            position, record = 0, 0
+            while position < size:
+                f.seek(position)
+                header = f.read(_RECORD_HEADER_BYTES)
+                length = int.from_bytes(header[:8], "little") if len(header) == _RECORD_HEADER_BYTES else None
+                end = position + _RECORD_HEADER_BYTES + (length or 0) + _RECORD_FOOTER_BYTES
+                if length is None or end > size:
+                    bad.append(f"{path}: record {record} at byte {position} runs past the end ({size} bytes)")
+                    break
+                position, record = end, record + 1
+    return bad
+
+
+def explain_data_loss(err: tf.errors.DataLossError, data_cfg, data_dir: str, split: str) -> Exception:
+    """A DataLossError that names the shard(s): TensorFlow's message gives only a byte offset."""
+    if data_cfg.dataset != "tfrecord":
+        return err
+    bad = truncated_shards(list_shards(data_dir, split)) or [f"no truncated shard found in {data_dir}"]
+    return ValueError(f"corrupt TFRecord data ({err.message.strip()}): {'; '.join(bad)}")
+
+
 def _label_check_fn(data_cfg: ml_collections.ConfigDict):
     """Labels outside [0, num_classes) mean a wrong label offset or class count: fail loudly."""
     num_classes, offset = data_cfg.num_classes, data_cfg.label_offset
@@ -150,7 +185,7 @@ def _tfds_records(data_cfg, split: str, input_context, *, seed: int, shuffle_fil
     return ds.map(lambda ex: (ex["image"], ex["label"] - data_cfg.label_offset))
 
 
-def _options(data_cfg: ml_collections.ConfigDict, deterministic: bool | None = None) -> tf.data.Options:
+def tf_data_options(data_cfg: ml_collections.ConfigDict, deterministic: bool | None = None) -> tf.data.Options:
     """`deterministic`: None follows data.deterministic; True where order is correctness (eval)."""
     options = tf.data.Options()
     # tfscale shards by itself (per input pipeline); a second, automatic sharding would drop data.
@@ -164,7 +199,7 @@ def _options(data_cfg: ml_collections.ConfigDict, deterministic: bool | None = N
 
 
 def _finish(ds: tf.data.Dataset, data_cfg, deterministic: bool | None = None) -> tf.data.Dataset:
-    return ds.with_options(_options(data_cfg, deterministic)).prefetch(tf.data.AUTOTUNE)
+    return ds.with_options(tf_data_options(data_cfg, deterministic)).prefetch(tf.data.AUTOTUNE)
 
 
 def _batch_augment(ds: tf.data.Dataset, data_cfg) -> tf.data.Dataset:

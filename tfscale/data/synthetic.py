@@ -19,18 +19,27 @@ _EVAL_STREAM = 7_919
 _LABEL_STREAM = 104_729
 
 
-def _replica_slots(input_context: tf.distribute.InputContext) -> tuple[int, int]:
-    """(first global replica slot of this input pipeline, replicas it feeds)."""
-    local_replicas = input_context.num_replicas_in_sync // input_context.num_input_pipelines
-    return input_context.input_pipeline_id * local_replicas, local_replicas
+def _local_replicas(input_context: tf.distribute.InputContext) -> int:
+    return input_context.num_replicas_in_sync // input_context.num_input_pipelines
 
 
-def _positions(batch_counter, *, first_slot, local_replicas, per_replica_batch, global_batch):
-    """Global example positions of the `batch_counter`-th per-replica batch of one pipeline."""
-    step = batch_counter // local_replicas
-    slot = first_slot + batch_counter % local_replicas
-    start = step * global_batch + slot * per_replica_batch
-    return tf.range(start, start + per_replica_batch, dtype=tf.int64)
+def _positions_fn(input_context: tf.distribute.InputContext, global_batch: int):
+    """batch counter -> global example positions of that per-replica batch of this input pipeline.
+
+    The pipeline's k-th batch feeds its (k mod R)-th local replica at step k // R; replicas take
+    consecutive slices of the global batch in rank order.
+    """
+    local_replicas = _local_replicas(input_context)
+    first_slot = input_context.input_pipeline_id * local_replicas
+    per_replica_batch = input_context.get_per_replica_batch_size(global_batch)
+
+    def positions(batch_counter):
+        step = batch_counter // local_replicas
+        slot = first_slot + batch_counter % local_replicas
+        start = step * global_batch + slot * per_replica_batch
+        return tf.range(start, start + per_replica_batch, dtype=tf.int64)
+
+    return positions
 
 
 def _seed(stream: int, index):
@@ -75,18 +84,8 @@ def train_dataset(data_cfg, input_context, *, seed: int, start_step: int) -> tf.
     if data_cfg.dataset == "synthetic":
         # tf_cnn_benchmarks' synthetic mode: one batch built once and replayed, so the host costs nothing.
         return tf.data.Dataset.from_tensors(_random_batch(data_cfg, per_replica_batch, seed)).repeat()
-    first_slot, local_replicas = _replica_slots(input_context)
-
-    def positions(counter):
-        return _positions(
-            counter,
-            first_slot=first_slot,
-            local_replicas=local_replicas,
-            per_replica_batch=per_replica_batch,
-            global_batch=data_cfg.global_batch_size,
-        )
-
-    ds = tf.data.Dataset.range(start_step * local_replicas, 2**62).map(positions).unbatch()
+    positions = _positions_fn(input_context, data_cfg.global_batch_size)
+    ds = tf.data.Dataset.range(start_step * _local_replicas(input_context), 2**62).map(positions).unbatch()
     ds = ds.map(lambda p: p % data_cfg.num_train_examples)
     ds = ds.map(_example_fn(data_cfg, seed, split_stream=0), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return ds.batch(per_replica_batch, drop_remainder=True)
@@ -95,24 +94,15 @@ def train_dataset(data_cfg, input_context, *, seed: int, start_step: int) -> tf.
 def eval_dataset(data_cfg, input_context, *, seed: int, global_batch_size: int, num_steps: int) -> tf.data.Dataset:
     """Per-replica eval batches (images, labels, mask) covering each eval example exactly once."""
     per_replica_batch = input_context.get_per_replica_batch_size(global_batch_size)
-    first_slot, local_replicas = _replica_slots(input_context)
     num_examples = data_cfg.num_eval_examples
     example = _example_fn(data_cfg, seed, split_stream=_EVAL_STREAM)
-
-    def positions(counter):
-        return _positions(
-            counter,
-            first_slot=first_slot,
-            local_replicas=local_replicas,
-            per_replica_batch=per_replica_batch,
-            global_batch=global_batch_size,
-        )
+    positions = _positions_fn(input_context, global_batch_size)
 
     def padded_example(position):
         # Padding positions repeat the last example; their mask of 0 keeps them out of every metric.
         image, label = example(tf.minimum(position, num_examples - 1))
         return image, label, tf.cast(position < num_examples, tf.float32)
 
-    ds = tf.data.Dataset.range(num_steps * local_replicas).map(positions).unbatch()
+    ds = tf.data.Dataset.range(num_steps * _local_replicas(input_context)).map(positions).unbatch()
     ds = ds.map(padded_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return ds.batch(per_replica_batch, drop_remainder=True)
