@@ -206,8 +206,9 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
     `extra_callbacks`: more Keras callbacks, driven after tfscale's own (LR, logging, checkpoints).
     Setting `model.stop_training` from one ends the run after the current step, checkpointed.
     """
+    tfs_config.validate(cfg)  # config mistakes fail before a cluster is waited for
     cluster = distribute.setup(cfg.distribute)
-    tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
+    tfs_config.validate(cfg, num_replicas=cluster.num_replicas)  # now the batch split can be checked
     steps = tfs_config.to_steps(cfg)
     os.makedirs(workdir, exist_ok=True)
     if cluster.is_chief:
