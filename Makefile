@@ -6,7 +6,9 @@ TF_EXTRA ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(TF_EXTRA)
 
-.PHONY: venv demo test test-fast test-slow bench-input bench-scaling clean
+HOROVOD_STAMP := $(VENV)/.installed-horovod
+
+.PHONY: venv horovod demo test test-fast test-slow bench-input bench-scaling clean
 
 # TensorFlow's C++ start-up chatter hides the progress lines.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -20,16 +22,23 @@ $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 	$(PY) -m pip install --quiet -c requirements/constraints-cpu.txt -e ".[$(TF_EXTRA),test]"
 	touch $@
 
+# Horovod 0.28.1 from source against the installed TensorFlow (~3 min on 2 cores); see README 'Horovod'.
+horovod: $(HOROVOD_STAMP)
+
+$(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh
+	PYTHON=$(PY) tools/install_horovod.sh
+	touch $@
+
 demo: venv
 	$(PY) tools/digits_demo.py --workdir=runs/demo
 
-test: venv
+test: venv horovod
 	$(PY) -m pytest -q
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
-test-slow: venv
+test-slow: venv horovod
 	$(PY) -m pytest -q -m slow
 
 # Input pipeline vs decode-only ceiling vs Keras image_dataset_from_directory, on real-photo JPEGs.
@@ -42,9 +51,9 @@ bench-input: venv
 	  --config.benchmark.image_dir=runs/photos --config.data.global_batch_size=128 \
 	  --config.benchmark.num_batches=40 --config.benchmark.num_warmup_batches=5
 
-# Per-step time of 1 vs 2 local workers (1 thread each): weak-scaling efficiency.
-bench-scaling: venv
-	$(PY) tools/weak_scaling.py --workdir=runs/weak_scaling --workers=1,2
+# Per-step time of 1 vs 2 local workers (1 thread each), MWMS and Horovod in one run: weak-scaling efficiency.
+bench-scaling: venv horovod
+	$(PY) tools/weak_scaling.py --workdir=runs/weak_scaling --workers=1,2 --backends=mwms,horovod
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
