@@ -17,6 +17,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfscale import schedules
+
 
 class LearningRateScheduler(keras.callbacks.Callback):
     """Sets the optimizer's LR before every batch from `schedule(optimizer.iterations)`.
@@ -113,17 +115,18 @@ class CheckpointSaver(keras.callbacks.Callback):
     """Saves `manager`'s checkpoint every `every_steps` global steps and when training ends.
 
     Every worker calls save (under multi-worker strategies saving is a collective); which directory a
-    worker writes to is decided where the manager is built.
+    worker writes to is decided where the manager is built. `manager=None`: this worker never saves
+    (a Horovod rank other than 0).
     """
 
-    def __init__(self, manager: tf.train.CheckpointManager, every_steps: int, restored_step: int | None = None):
+    def __init__(self, manager: tf.train.CheckpointManager | None, every_steps: int, restored_step: int | None = None):
         super().__init__()
         self.manager = manager
         self.every_steps = every_steps
         self._last_saved_step = restored_step  # a resumed run does not write the step it restored again
 
     def save(self, global_step: int) -> None:
-        if global_step != self._last_saved_step:
+        if self.manager is not None and global_step != self._last_saved_step:
             self.manager.save(checkpoint_number=global_step)
             self._last_saved_step = global_step
             logging.info("saved checkpoint at step %d to %s", global_step, self.manager.directory)
@@ -135,3 +138,64 @@ class CheckpointSaver(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if logs and "global_step" in logs:
             self.save(int(logs["global_step"]))
+
+
+# --- Keras 3 replacements for horovod.tensorflow.keras callbacks ------------------------------------
+# Horovod's own Keras callbacks fail on Keras 3 (they need `.ref()` on variables). These keep their
+# meaning for users porting a Horovod `model.fit` script; pair them with
+# `optim.averaging_optimizer` in place of `hvd.DistributedOptimizer`. `cluster` is
+# `distribute.setup(...)`'s result with backend `horovod`.
+
+
+class BroadcastGlobalVariables(keras.callbacks.Callback):
+    """`hvd.callbacks.BroadcastGlobalVariablesCallback(0)`: rank 0's weights and optimizer state on
+    every rank before the first step, so all ranks start identical whatever they initialised."""
+
+    def __init__(self, cluster):
+        super().__init__()
+        self.cluster = cluster
+
+    def on_train_begin(self, logs=None):
+        optimizer = self.model.optimizer
+        if not optimizer.built:  # slots must exist to be broadcast; Keras would build them at step 1
+            optimizer.build(self.model.trainable_variables)
+        self.cluster.broadcast_from_chief([*self.model.variables, *optimizer.variables])
+
+
+class MetricAverage(keras.callbacks.Callback):
+    """`hvd.callbacks.MetricAverageCallback()`: epoch-end metrics averaged over ranks.
+
+    Each rank only sees its shard; list this callback first so that later ones (checkpointing,
+    early stopping, CSV logging) act on the job's figures, identically on every rank.
+    """
+
+    def __init__(self, cluster):
+        super().__init__()
+        self.cluster = cluster
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            return
+        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float)))  # same order on every rank
+        for key, mean in zip(keys, self.cluster.mean_across_processes([float(logs[k]) for k in keys])):
+            logs[key] = mean
+
+
+class LearningRateWarmup(keras.callbacks.Callback):
+    """`hvd.callbacks.LearningRateWarmupCallback`: LR from `initial_lr / size` to `initial_lr` over
+    `warmup_epochs`, set every batch; afterwards the LR is left alone for other schedules.
+
+    Horovod's `momentum_correction` is not reproduced (Keras 3 optimizers keep no such hook).
+    """
+
+    def __init__(self, cluster, *, initial_lr: float, warmup_epochs: float = 5, steps_per_epoch: int):
+        super().__init__()
+        self.warmup_steps = round(warmup_epochs * steps_per_epoch)
+        self.schedule = lambda step: schedules.horovod_warmup_lr(
+            step, target_lr=initial_lr, num_replicas=cluster.size, warmup_steps=self.warmup_steps
+        )
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        if step < self.warmup_steps:  # the last warmup batch reaches initial_lr, as in Horovod
+            self.model.optimizer.learning_rate = self.schedule(step)

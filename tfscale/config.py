@@ -28,7 +28,9 @@ LARGE_BATCH_WITHOUT_LARS = 8192
 # so validating a config does not import TensorFlow.
 DATASETS = ("synthetic", "synthetic_learnable", "tfrecord", "tfds")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
-BACKENDS = ("one_device", "mirrored", "multi_worker")
+BACKENDS = ("one_device", "mirrored", "multi_worker", "horovod")
+# Said wherever horovod is needed and missing (distribute.setup, the launcher).
+HOROVOD_INSTALL_HINT = "build it against this TensorFlow with `make horovod` (tools/install_horovod.sh; README 'Horovod')"
 BENCHMARK_MODES = ("train", "synthetic", "input")
 
 
@@ -112,14 +114,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.max_to_keep = 3  # older checkpoints are deleted
 
     c.distribute = ml_collections.ConfigDict()
-    c.distribute.backend = "one_device"  # one_device | mirrored (all local GPUs) | multi_worker (MWMS, TF_CONFIG)
+    c.distribute.backend = "one_device"  # one_device | mirrored (all local GPUs) | multi_worker (MWMS) | horovod
     c.distribute.num_cpu_devices = 1  # mirrored on a CPU host: split the CPU into this many devices
-    c.distribute.connect_timeout_s = 300.0  # multi_worker: all workers must answer within this, else exit 69
+    c.distribute.connect_timeout_s = 300.0  # all workers must answer within this, else a message and exit
     c.distribute.heartbeat_timeout_s = 60.0  # multi_worker: a worker silent this long is dead; the rest fail
     c.distribute.collective_timeout_s = 0.0  # abort any single all-reduce after this long (0: no limit)
     c.distribute.collective_impl = "AUTO"  # AUTO | RING | NCCL (NCCL on GPU clusters)
     c.distribute.pack_bytes = 0  # all-reduce packing: bytes per pack (0: TensorFlow's default)
     c.distribute.port_base = 0  # Slurm without TF_CONFIG: first worker port (0: derived from SLURM_JOB_ID)
+    c.distribute.horovod_fusion_bytes = 0  # horovod: tensor-fusion buffer, HOROVOD_FUSION_THRESHOLD (0: 128 MiB)
+    c.distribute.horovod_cycle_time_ms = 0.0  # horovod: wait to fuse tensors, HOROVOD_CYCLE_TIME (0: Horovod's)
+    c.distribute.horovod_fp16_allreduce = False  # horovod: send gradients as float16 (half the traffic)
 
     c.benchmark = ml_collections.ConfigDict()
     c.benchmark.mode = "train"  # train | synthetic | input
@@ -241,6 +246,12 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
         raise ValueError(f"config.data.label_offset must be >= 0, got {cfg.data.label_offset}")
     if not 0.0 < cfg.data.eval_crop_fraction <= 1.0:
         raise ValueError(f"config.data.eval_crop_fraction must be in (0, 1], got {cfg.data.eval_crop_fraction}")
+    if cfg.model.sync_bn and cfg.distribute.backend == "horovod":
+        raise ValueError(
+            "config.model.sync_bn=True needs a tf.distribute backend (mirrored, multi_worker): Keras' "
+            "synchronized BatchNormalization cannot see other Horovod ranks. Set config.model.sync_bn=False "
+            "(each rank normalises over its own batch, as in Horovod's ResNet examples)"
+        )
     _require_divisible("data.global_batch_size", cfg.data.global_batch_size, num_replicas)
     eval_batch = eval_global_batch_size(cfg.data)
     if eval_batch <= 0:

@@ -13,6 +13,12 @@ TF_CONFIG. Users' top complaint about MWMS is jobs that hang, so setup never wai
   * a pre-flight all-reduce proves every worker answers before any real work;
   * TensorFlow's coordination service declares a worker dead after `heartbeat_timeout_s` without a
     heartbeat, and the others then fail their next collective instead of waiting.
+
+`horovod` runs one rank per process on one device (a OneDeviceStrategy, so the loop's code is the
+same), launched by horovodrun / mpirun / srun --mpi=pmix / `tfscale.launch --backend=horovod`.
+The Cluster carries the Horovod pieces the loop needs: gradient averaging, summing metrics across
+ranks, broadcasting the chief's variables and sharding the input by rank. Gloo's rendezvous timeout
+(`connect_timeout_s`) bounds the wait for missing ranks.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ import socket
 import subprocess
 import sys
 
+from typing import Any, Callable
+
+import keras
 import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale.config import BACKENDS
-
+from tfscale.config import BACKENDS, HOROVOD_INSTALL_HINT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +53,86 @@ class Cluster:
     num_replicas: int  # model replicas over all workers (one per device)
     host: str
     worker_addresses: tuple[str, ...] = ()  # host:port of every worker (multi_worker only)
+    hvd: Any = None  # the horovod.tensorflow module (horovod only)
+    fp16_allreduce: bool = False  # horovod: gradients travel as float16
 
     @property
     def is_chief(self) -> bool:
         """The chief writes workdir files and prints progress; the others stay quiet."""
         return self.rank == 0
+
+    @property
+    def saving_is_collective(self) -> bool:
+        """MWMS needs every worker in a checkpoint save; a Horovod rank saves (or not) on its own."""
+        return self.hvd is None
+
+    def loss_batch_size(self, global_batch_size: int) -> int:
+        """The batch one replica's loss is averaged over so that the reduced gradient is the global mean.
+
+        tf.distribute sums replica gradients, so each divides by the global batch; Horovod averages
+        rank gradients (hvd.Average), so each rank divides by its own batch.
+        """
+        return global_batch_size // self.size if self.hvd else global_batch_size
+
+    def all_reduce_gradients(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Horovod's gradient average; tf.distribute strategies reduce inside `apply_gradients`.
+
+        A plain tape plus grouped_allreduce is the Horovod path that works on Keras 3:
+        hvd.DistributedOptimizer runs there but silently skips the averaging.
+        """
+        if self.hvd is None:
+            return grads
+        compression = self.hvd.Compression.fp16 if self.fp16_allreduce else self.hvd.Compression.none
+        return self.hvd.grouped_allreduce(grads, op=self.hvd.Average, compression=compression)
+
+    def average_state(self, variables) -> None:
+        """Averages non-trainable model state (BatchNorm moving statistics) over all replicas.
+
+        Call inside a replica step. Keras 3 variables under tf.distribute, like Horovod ranks, keep
+        each replica's own moving statistics, so without this eval results and checkpoints would
+        depend on which replica computed them.
+        """
+        floats = [v for v in variables if keras.backend.is_float_dtype(v.dtype)]
+        if self.num_replicas == 1 or not floats:
+            return
+        values = [tf.identity(v.value) for v in floats]  # this replica's copy, read as a tensor
+        if self.hvd is not None:
+            averages = self.hvd.grouped_allreduce(values, op=self.hvd.Average)
+        else:
+            averages = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, values)
+        for variable, average in zip(floats, averages):
+            variable.assign(average)
+
+    def sum_across_processes(self, tensor: tf.Tensor) -> tf.Tensor:
+        """Sums a per-process value over all processes (a strategy's `reduce` already did for MWMS)."""
+        return tensor if self.hvd is None else self.hvd.allreduce(tensor, op=self.hvd.Sum)
+
+    def mean_across_processes(self, values: list[float]) -> list[float]:
+        """Eager mean of per-process numbers (every process passes them in the same order)."""
+        if self.hvd is None or not values:
+            return list(values)
+        return self.hvd.allreduce(tf.constant(values, tf.float64), op=self.hvd.Average).numpy().tolist()
+
+    def broadcast_from_chief(self, variables) -> None:
+        """Copies the chief's values into `variables` (Keras or TF variables) on every process.
+
+        MWMS keeps replicas identical itself; Horovod ranks start from whatever each initialised or
+        restored, so training starts with this. Keras 3 variables are passed as the tf.Variable they
+        wrap (`.value`): Horovod's broadcast_variables needs `.ref()`, which Keras variables lack.
+        """
+        if self.hvd is not None:
+            tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+            self.hvd.broadcast_variables(tf_variables, root_rank=0)
+
+    def distribute_dataset(self, input_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]):
+        """`input_fn`'s dataset for this process, sharded over all processes, placed on its devices."""
+        if self.hvd is None:
+            return self.strategy.distribute_datasets_from_function(input_fn)
+        # Each rank is its own one-device "strategy", so tell input_fn about the whole Horovod job.
+        context = tf.distribute.InputContext(
+            num_input_pipelines=self.size, input_pipeline_id=self.rank, num_replicas_in_sync=self.size
+        )
+        return self.strategy.distribute_datasets_from_function(lambda _: input_fn(context))
 
     def topology_line(self) -> str:
         devices = ",".join(self.strategy.extended.worker_devices)
@@ -205,6 +288,51 @@ def preflight_all_reduce(strategy: tf.distribute.Strategy) -> None:
         raise RuntimeError(f"pre-flight all-reduce counted {total} replicas, expected {strategy.num_replicas_in_sync}")
 
 
+# --- Horovod --------------------------------------------------------------------------------------
+
+
+def import_horovod():
+    """horovod.tensorflow, or an error that says how to get a working one."""
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as err:
+        raise ImportError(f"distribute.backend=horovod but Horovod is not installed: {HOROVOD_INSTALL_HINT}") from err
+    except tf.errors.NotFoundError as err:  # its C++ ops do not load into this TensorFlow
+        raise ImportError(
+            f"Horovod was built against another TensorFlow than {tf.__version__} ({err}); {HOROVOD_INSTALL_HINT}"
+        ) from err
+    return hvd
+
+
+def _horovod_environment(dist_cfg: ml_collections.ConfigDict, env: dict) -> dict[str, str]:
+    """Horovod's knobs from the config; hvd.init() reads them from the environment."""
+    knobs = {}
+    if dist_cfg.horovod_fusion_bytes:
+        knobs["HOROVOD_FUSION_THRESHOLD"] = str(dist_cfg.horovod_fusion_bytes)
+    if dist_cfg.horovod_cycle_time_ms:
+        knobs["HOROVOD_CYCLE_TIME"] = f"{dist_cfg.horovod_cycle_time_ms:g}"
+    if "HOROVOD_GLOO_TIMEOUT_SECONDS" not in env:
+        # Gloo's rendezvous waits this long for every rank, then fails instead of hanging.
+        knobs["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(max(1, int(dist_cfg.connect_timeout_s)))
+    return knobs
+
+
+def preflight_horovod(hvd) -> None:
+    """Every rank contributes 1; anything but the rank count means the job is broken."""
+    total = float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name="tfscale_preflight"))
+    if total != hvd.size():
+        raise RuntimeError(f"pre-flight all-reduce counted {total} Horovod ranks, expected {hvd.size()}")
+
+
+def _horovod_setup(dist_cfg: ml_collections.ConfigDict, env: dict) -> tuple[Any, tf.distribute.Strategy]:
+    hvd = import_horovod()
+    os.environ.update(_horovod_environment(dist_cfg, env))
+    hvd.init()
+    _pin_gpu(hvd.local_rank())
+    preflight_horovod(hvd)
+    return hvd, _one_device_strategy()
+
+
 # --- strategies ------------------------------------------------------------------------------------
 
 
@@ -267,7 +395,10 @@ def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Clust
     env = dict(os.environ if env is None else env)
     local_rank = local_rank_from_env(env)
     tf_config = None
-    if dist_cfg.backend == "one_device":
+    hvd = None
+    if dist_cfg.backend == "horovod":
+        hvd, strategy = _horovod_setup(dist_cfg, env)
+    elif dist_cfg.backend == "one_device":
         strategy = _one_device_strategy()
     elif dist_cfg.backend == "mirrored":
         strategy = _mirrored_strategy(dist_cfg)
@@ -277,15 +408,22 @@ def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Clust
     else:
         raise ValueError(f"config.distribute.backend={dist_cfg.backend!r} is not one of: {', '.join(BACKENDS)}")
     addresses = tuple(tf_config["cluster"]["worker"]) if tf_config else ()
+    if hvd is not None:
+        rank, size, local_rank, num_replicas = hvd.rank(), hvd.size(), hvd.local_rank(), hvd.size()
+    else:
+        rank = tf_config["task"]["index"] if tf_config else 0
+        size, num_replicas = len(addresses) or 1, strategy.num_replicas_in_sync
     cluster = Cluster(
         backend=dist_cfg.backend,
         strategy=strategy,
-        rank=tf_config["task"]["index"] if tf_config else 0,
-        size=len(addresses) or 1,
+        rank=rank,
+        size=size,
         local_rank=local_rank,
-        num_replicas=strategy.num_replicas_in_sync,
+        num_replicas=num_replicas,
         host=socket.gethostname(),
         worker_addresses=addresses,
+        hvd=hvd,
+        fp16_allreduce=dist_cfg.horovod_fp16_allreduce,
     )
     logging.info(cluster.topology_line())
     if not cluster.is_chief:

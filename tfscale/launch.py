@@ -30,9 +30,11 @@ import threading
 import time
 from typing import IO, Sequence
 
+from tfscale.config import HOROVOD_INSTALL_HINT
+
 LOOPBACK = "127.0.0.1"
 BACKENDS = ("mwms", "horovod")
-HOROVOD_MISSING = "backend horovod needs horovod installed: see README (make horovod)"
+HOROVOD_MISSING = f"backend horovod needs Horovod: {HOROVOD_INSTALL_HINT}"
 USAGE_EXIT_CODE = 2  # argparse's convention for usage errors
 POLL_INTERVAL_S = 0.05  # how often the supervisor checks its workers; sets the reaction latency
 PUMP_JOIN_TIMEOUT_S = 5.0  # how long to wait for the last output lines once every worker is gone

@@ -216,3 +216,21 @@ def loss_weight_decay(optim_cfg) -> float:
     """
     name = _check_name(optim_cfg)
     return float(optim_cfg.weight_decay) if name == "sgd" else 0.0
+
+
+def averaging_optimizer(optimizer: keras.optimizers.Optimizer, cluster) -> keras.optimizers.Optimizer:
+    """`hvd.DistributedOptimizer` for Keras 3: the same optimizer, averaging gradients over Horovod
+    ranks before every update, for users porting a Horovod `model.fit` script.
+
+    Horovod's own wrapper runs on Keras 3 but never averages (it hooks a method Keras 3 no longer
+    calls), so ranks silently drift apart. `cluster` is `distribute.setup(...)` with backend horovod.
+    """
+    base = type(optimizer)
+
+    class Averaging(base):
+        def apply_gradients(self, grads_and_vars):
+            grads, variables = zip(*grads_and_vars)
+            return super().apply_gradients(zip(cluster.all_reduce_gradients(list(grads)), variables))
+
+    Averaging.__name__ = Averaging.__qualname__ = f"Averaging{base.__name__}"
+    return Averaging.from_config(optimizer.get_config())

@@ -81,17 +81,20 @@ def make_train_step(cfg, cluster, model, optimizer):
     global_batch_size = cfg.data.global_batch_size
     weight_decay = optim.loss_weight_decay(cfg.optim)
 
+    loss_batch_size = cluster.loss_batch_size(global_batch_size)
+
     def loss_and_grads(images, labels):
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
             per_example = _cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
-            # Divide by the GLOBAL batch: summing replica gradients then gives the global mean.
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
-            objective = loss
+            # Normalised so that the backend's gradient reduction yields the global-batch mean.
+            objective = tf.nn.compute_average_loss(per_example, global_batch_size=loss_batch_size)
             if weight_decay:
                 objective += tf.nn.scale_regularization_loss(optim.l2_loss(model.trainable_variables, weight_decay))
             scaled = optimizer.scale_loss(objective)
-        return loss, tape.gradient(scaled, model.trainable_variables)
+        # This replica's share of the global mean loss: the shares sum to it over all replicas.
+        loss_share = tf.reduce_sum(per_example) / global_batch_size
+        return loss_share, tape.gradient(scaled, model.trainable_variables)
 
     if cfg.jit_compile:
         # XLA compiles forward + backward only: the iterator and the cross-replica gradient
@@ -99,16 +102,19 @@ def make_train_step(cfg, cluster, model, optimizer):
         loss_and_grads = tf.function(loss_and_grads, jit_compile=True)
 
     def replica_step(images, labels, stop_requested):
-        loss, grads = loss_and_grads(images, labels)
+        loss_share, grads = loss_and_grads(images, labels)
+        grads = cluster.all_reduce_gradients(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if not cfg.model.sync_bn:  # synchronized BatchNorm computes identical statistics everywhere
+            cluster.average_state(model.non_trainable_variables)
         # The stop flag rides on the loss all-reduce: if any worker got SIGTERM, every worker
         # learns it at the same step and they checkpoint together (saving is a collective).
-        return tf.stack([loss, stop_requested])
+        return tf.stack([loss_share, stop_requested])
 
     @tf.function
     def train_step(iterator, stop_requested):
         per_replica = cluster.strategy.run(replica_step, args=(*next(iterator), stop_requested))
-        return cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        return cluster.sum_across_processes(cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None))
 
     return train_step
 
@@ -128,7 +134,7 @@ def make_eval_step(cfg, cluster, model):
     @tf.function
     def eval_step(iterator):
         sums = cluster.strategy.run(replica_step, args=next(iterator))
-        return cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None)
+        return cluster.sum_across_processes(cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None))
 
     return eval_step
 
@@ -148,15 +154,20 @@ def evaluate(eval_step, eval_dataset, num_steps: int) -> dict:
     }
 
 
-def _checkpoint_manager(checkpoint, workdir: str, cluster, max_to_keep: int) -> tf.train.CheckpointManager:
-    # Only the chief's checkpoints are kept; other workers must still write (saving is collective
-    # under multi-worker strategies), so they write to a scratch directory.
-    directory = os.path.join(workdir, "checkpoints") if cluster.is_chief else tempfile.mkdtemp(prefix="tfscale_ckpt_")
-    return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=max_to_keep)
+def _checkpoint_manager(checkpoint, workdir: str, cluster, max_to_keep: int) -> tf.train.CheckpointManager | None:
+    """The chief's manager of workdir/checkpoints; None for a worker that does not save at all.
+
+    Under MWMS saving is a collective, so the other workers must save too: into a scratch directory.
+    """
+    if cluster.is_chief:
+        return tf.train.CheckpointManager(checkpoint, os.path.join(workdir, "checkpoints"), max_to_keep=max_to_keep)
+    if not cluster.saving_is_collective:
+        return None
+    return tf.train.CheckpointManager(checkpoint, tempfile.mkdtemp(prefix="tfscale_ckpt_"), max_to_keep=max_to_keep)
 
 
-def _discard_scratch(manager: tf.train.CheckpointManager, cluster) -> None:
-    if not cluster.is_chief:  # non-chief checkpoints only exist because saving is collective
+def _discard_scratch(manager: tf.train.CheckpointManager | None, cluster) -> None:
+    if manager is not None and not cluster.is_chief:  # scratch checkpoints exist only because saving is collective
         shutil.rmtree(manager.directory, ignore_errors=True)
 
 
@@ -252,6 +263,8 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_r
         checkpoint.restore(latest).assert_existing_objects_matched()
         restored_step = int(global_step.numpy())
         logging.info("resumed from %s at step %d", latest, restored_step)
+    # Horovod ranks each initialised (or restored) on their own: start from the chief's state.
+    cluster.broadcast_from_chief([*model.variables, *optimizer.variables, global_step])
     start_step = int(global_step.numpy())
     summary_path = os.path.join(workdir, "summary.json")
     if start_step >= steps.train_steps and os.path.exists(summary_path):
@@ -259,10 +272,10 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_r
         with open(summary_path) as f:
             return json.load(f)
 
-    train_ds = strategy.distribute_datasets_from_function(
+    train_ds = cluster.distribute_dataset(
         pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step, data_dir=data_dir)
     )
-    eval_ds = strategy.distribute_datasets_from_function(
+    eval_ds = cluster.distribute_dataset(
         pipeline.eval_input_fn(
             cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size, num_steps=steps.eval_steps,
             data_dir=data_dir,

@@ -3,9 +3,11 @@
     python tests/helpers/train_and_dump.py WEIGHTS.npz --config=... --workdir=... [--config.x=y ...]
 
 Every worker writes its own file (and WEIGHTS_init.npz before the first step), so tests can compare the weights each worker ends up with
-(the chief's checkpoint alone cannot show that the workers agree).
+(the chief's checkpoint alone cannot show that the workers agree). `{rank}` in WEIGHTS.npz becomes the
+Horovod rank, for launchers (horovodrun, mpirun) that start every rank with the same arguments.
 """
 
+import os
 import sys
 
 import keras
@@ -33,5 +35,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    OUTPUT = sys.argv.pop(1)
+    RANK = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    OUTPUT = sys.argv.pop(1).replace("{rank}", RANK)
     app.run(main, flags_parser=tfs_config.parse_flags)
