@@ -256,3 +256,23 @@ def test_learning_rate_warmup_matches_horovods_callback():
     np.testing.assert_allclose(seen[:4], expected, rtol=1e-6)
     assert seen[3] == pytest.approx(0.8)
     assert seen[4:] == [pytest.approx(0.8)] * 2  # left alone after the warmup
+
+
+@pytest.mark.slow
+def test_missing_rank_fails_within_the_connect_timeout(tmp_path):
+    rendezvous = launch._HorovodRendezvous(2)
+    started = time.time()
+    try:  # rank 1 of 2 never starts
+        result = subprocess.run(
+            [sys.executable, "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={tmp_path}",
+             "--config.distribute.backend=horovod", "--config.distribute.connect_timeout_s=5"],
+            cwd=REPO, env=quiet_env(**launch.worker_env(0, 2, rendezvous.port, "horovod", 1)),
+            capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        rendezvous.stop()
+    elapsed_s = time.time() - started
+    assert result.returncode == -signal.SIGABRT  # Gloo aborts; a shell reports 134
+    assert elapsed_s < 60, f"took {elapsed_s:.0f} s"
+    assert "waiting up to 5 s for every rank at the rendezvous (distribute.connect_timeout_s)" in result.stderr
+    assert "Wait timeout after 5 seconds for key(s): 1" in result.stderr  # names the missing rank

@@ -326,7 +326,12 @@ def preflight_horovod(hvd) -> None:
 
 def _horovod_setup(dist_cfg: ml_collections.ConfigDict, env: dict) -> tuple[Any, tf.distribute.Strategy]:
     hvd = import_horovod()
-    os.environ.update(_horovod_environment(dist_cfg, env))
+    knobs = _horovod_environment(dist_cfg, env)
+    os.environ.update(knobs)
+    timeout_s = knobs.get("HOROVOD_GLOO_TIMEOUT_SECONDS", env.get("HOROVOD_GLOO_TIMEOUT_SECONDS"))
+    if timeout_s:
+        # Gloo aborts the process (SIGABRT) naming the missing rank numbers; this line says why.
+        logging.info("horovod: waiting up to %s s for every rank at the rendezvous (distribute.connect_timeout_s)", timeout_s)
     hvd.init()
     _pin_gpu(hvd.local_rank())
     preflight_horovod(hvd)
