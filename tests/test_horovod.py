@@ -13,7 +13,8 @@ import time
 import numpy as np
 import pytest
 from conftest import REPO
-from test_multiworker import DRIVER, assert_weights_close, logged_steps, quiet_env, read_log, weights
+from test_multiworker import (DRIVER, assert_weights_close, kill_rank1_once_training, logged_steps, quiet_env,
+                              read_log, sigterm_then_resume, start_workers, weights)
 
 from tfscale import config as tfs_config
 from tfscale import distribute, launch
@@ -54,7 +55,8 @@ def mwms_two_workers(tmp_path_factory):
     assert [p.wait(timeout=300) for p in procs] == [0, 0], read_log(root, 0)[-3000:]
     # Per-replica BatchNorm statistics are averaged every step, so the MWMS workers agree exactly too.
     assert_weights_close(weights(root / "w0.npz"), weights(root / "w1.npz"), rtol=0, atol=0)
-    return weights(root / "w0.npz"), logged_steps(str(root / "run"))
+    eval_rows = [r for r in map(json.loads, open(root / "run" / "metrics.jsonl")) if "eval_top1" in r]
+    return weights(root / "w0.npz"), logged_steps(str(root / "run")), eval_rows[-1]
 
 
 @pytest.mark.slow
@@ -71,13 +73,17 @@ def test_horovod_ranks_agree_and_match_mwms(tmp_path, mwms_two_workers):
     assert moved > 5e-3  # so "equal" below is not equality of untouched initial weights
 
     # Same seed, same shards, same global batch: what MWMS computes, up to float summation order.
-    mwms_weights, mwms_rows = mwms_two_workers
+    mwms_weights, mwms_rows, mwms_eval = mwms_two_workers
     assert_weights_close(rank0, mwms_weights, rtol=2e-3, atol=2e-4)
     rows = logged_steps(str(root / "run"))
     assert [r["step"] for r in rows] == [r["step"] for r in mwms_rows] == [5, 10]
     for ours, ref in zip(rows, mwms_rows):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4)
         assert ours["lr"] == pytest.approx(ref["lr"], rel=1e-6)
+    # Eval counts every example once across ranks, with the same (averaged) BatchNorm statistics.
+    eval_rows = [r for r in map(json.loads, open(root / "run" / "metrics.jsonl")) if "eval_top1" in r]
+    assert eval_rows[-1]["eval_examples"] == 500
+    assert eval_rows[-1]["eval_loss"] == pytest.approx(mwms_eval["eval_loss"], rel=1e-3)
     log = open(root / "launch.log").read()
     assert "backend=horovod replicas=2" in log and "rank=1/2" in log
     # Rank 0 alone writes checkpoints and prints progress.
@@ -106,59 +112,26 @@ def test_sigterm_stops_both_ranks_at_one_step_then_resume_finishes(tmp_path):
     command = launch_command(2, "horovod", "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
                              "--config.distribute.backend=horovod", "--config.train.epochs=10",
                              "--config.train.log_every_steps=5")
-    log = open(tmp_path / "first.log", "w")
-    launcher = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 180
-    while not any(r["step"] >= 20 for r in logged_steps(workdir)):
-        assert launcher.poll() is None and time.time() < deadline, open(tmp_path / "first.log").read()[-3000:]
-        time.sleep(0.2)
-    launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=120) == 75, open(tmp_path / "first.log").read()[-3000:]
-    text = open(tmp_path / "first.log").read()
-    saved = {int(line.split("checkpoint saved at step ")[1].split(";")[0]) for line in text.splitlines()
-             if "checkpoint saved at step" in line}
-    assert len(saved) == 1, f"ranks stopped at different steps: {saved}"
-    stopped_at = saved.pop()
-    assert os.path.exists(os.path.join(workdir, "checkpoints", f"ckpt-{stopped_at}.index"))
-
-    second = subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, timeout=300)
-    assert second.returncode == 0, second.stdout[-3000:]
-    assert f"resumed from {os.path.join(workdir, 'checkpoints', f'ckpt-{stopped_at}')}" in second.stdout
-    steps = [r["step"] for r in logged_steps(workdir)]
-    assert steps == sorted(set(steps)) and steps[-1] == 200
+    sigterm_then_resume(command, workdir, str(tmp_path))
 
 
 @pytest.mark.slow
 def test_killed_rank_ends_the_other_without_hanging(tmp_path):
     workdir = str(tmp_path / "run")
-    train_args = ["-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
-                  "--config.distribute.backend=horovod", "--config.train.epochs=500", "--config.train.log_every_steps=5"]
-    # tfscale.launch would stop the survivor itself: start the ranks without it to see what Horovod does alone.
     rendezvous = launch._HorovodRendezvous(2)
-    procs = [
-        subprocess.Popen([sys.executable, *train_args], cwd=REPO,
-                         env=quiet_env(**launch.worker_env(rank, 2, rendezvous.port, "horovod", 1)),
-                         stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT)
-        for rank in range(2)
-    ]
+    procs, _ = start_workers(
+        ["-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}", "--config.train.epochs=500",
+         "--config.distribute.backend=horovod", "--config.train.log_every_steps=5"],
+        2, str(tmp_path), backend="horovod", endpoint=rendezvous.port,
+    )
     try:
-        deadline = time.time() + 180
-        while not logged_steps(workdir):
-            assert all(p.poll() is None for p in procs) and time.time() < deadline, read_log(tmp_path, 0)[-3000:]
-            time.sleep(0.2)
-        procs[1].kill()
-        killed_at = time.time()
-        code = procs[0].wait(timeout=120)
-        elapsed_s = time.time() - killed_at
+        code, elapsed_s = kill_rank1_once_training(procs, workdir, tmp_path)
     finally:
-        for p in procs:
-            p.kill()
         rendezvous.stop()
     assert code != 0, read_log(tmp_path, 0)[-3000:]
     assert elapsed_s < 60, f"survivor took {elapsed_s:.0f} s to notice"
+    assert "Horovod has been shut down" in read_log(tmp_path, 0)
     print(f"survivor exited with {code} {elapsed_s:.1f} s after its peer was killed")
-    print(read_log(tmp_path, 0)[-1500:])
 
 
 # --- without processes ------------------------------------------------------------------------------

@@ -31,15 +31,34 @@ def quiet_env(**extra):
     return env
 
 
-def start_workers(args, num_workers, log_dir, **env_extra):
-    """One process per worker with TF_CONFIG on free loopback ports, as the launcher would start them."""
-    ports = launch.free_ports(num_workers)
+def start_workers(args, num_workers, log_dir, backend="mwms", endpoint=None, **env_extra):
+    """One process per worker with the environment the launcher would give it (but no launcher, which
+    would stop the others itself when one fails). `endpoint`: Horovod's rendezvous port; for MWMS
+    free loopback ports are chosen."""
+    ports = launch.free_ports(num_workers) if backend == "mwms" else endpoint
     procs = []
     for rank in range(num_workers):
-        env = quiet_env(**launch.worker_env(rank, num_workers, ports, "mwms", 1), **env_extra)
+        env = quiet_env(**launch.worker_env(rank, num_workers, ports, backend, 1), **env_extra)
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs, ports
+
+
+def kill_rank1_once_training(procs, workdir, log_dir):
+    """Waits for the first logged step, kills rank 1 (-9); returns rank 0's exit code and how long it
+    took to exit after the kill. Every process is gone afterwards."""
+    try:
+        deadline = time.time() + 180
+        while not logged_steps(workdir):
+            assert all(p.poll() is None for p in procs) and time.time() < deadline, read_log(log_dir, 0)[-3000:]
+            time.sleep(0.2)
+        procs[1].kill()
+        killed_at = time.time()
+        code = procs[0].wait(timeout=120)
+        return code, time.time() - killed_at
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def wait_all(procs, timeout_s=300):
@@ -130,24 +149,21 @@ def test_mirrored_two_cpu_devices_equals_one_device(tmp_path, one_worker_global_
     assert_weights_close(weights(tmp_path / "w.npz"), one_worker_global_batch[0], rtol=2e-3, atol=2e-4)
 
 
-@pytest.mark.slow
-def test_sigterm_saves_checkpoint_then_relaunch_finishes(tmp_path):
-    workdir = str(tmp_path / "run")
-    command = [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1", "--",
-               "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
-               "--config.distribute.backend=multi_worker", "--config.train.epochs=10", "--config.train.log_every_steps=5"]
-    log = open(tmp_path / "first.log", "w")
+def sigterm_then_resume(command, workdir, log_dir) -> int:
+    """Runs `command` (a 2-worker launch of 200 steps), sends the launcher SIGTERM after step 20, checks
+    that both workers checkpoint the same step and exit 75, reruns it to the end; returns that step."""
+    log = open(os.path.join(log_dir, "first.log"), "w")
     launcher = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
+    first_log = lambda: open(os.path.join(log_dir, "first.log")).read()  # noqa: E731
     deadline = time.time() + 180
     while not any(r["step"] >= 20 for r in logged_steps(workdir)):
-        assert launcher.poll() is None and time.time() < deadline, open(tmp_path / "first.log").read()[-3000:]
+        assert launcher.poll() is None and time.time() < deadline, first_log()[-3000:]
         time.sleep(0.2)
     launcher.send_signal(signal.SIGTERM)  # what Slurm sends before the kill
-    assert launcher.wait(timeout=120) == 75, open(tmp_path / "first.log").read()[-3000:]
-    text = open(tmp_path / "first.log").read()
-    saved = [int(line.split("checkpoint saved at step ")[1].split(";")[0]) for line in text.splitlines()
+    assert launcher.wait(timeout=120) == 75, first_log()[-3000:]
+    saved = [int(line.split("checkpoint saved at step ")[1].split(";")[0]) for line in first_log().splitlines()
              if "checkpoint saved at step" in line]
-    assert saved and len(set(saved)) == 1, "both workers must stop at the same step"
+    assert len(saved) == 2 and saved[0] == saved[1], f"both workers must stop at the same step: {saved}"
     stopped_at = saved[0]
     assert 20 <= stopped_at < 200
     assert os.path.exists(os.path.join(workdir, "checkpoints", f"ckpt-{stopped_at}.index"))
@@ -159,6 +175,16 @@ def test_sigterm_saves_checkpoint_then_relaunch_finishes(tmp_path):
     steps = [r["step"] for r in logged_steps(workdir)]
     assert steps == sorted(set(steps)) and steps[-1] == 200  # nothing repeated, finished
     assert json.load(open(os.path.join(workdir, "summary.json")))["steps"] == 200
+    return stopped_at
+
+
+@pytest.mark.slow
+def test_sigterm_saves_checkpoint_then_relaunch_finishes(tmp_path):
+    workdir = str(tmp_path / "run")
+    command = [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1", "--",
+               "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
+               "--config.distribute.backend=multi_worker", "--config.train.epochs=10", "--config.train.log_every_steps=5"]
+    sigterm_then_resume(command, workdir, str(tmp_path))
 
 
 @pytest.mark.slow
@@ -170,18 +196,7 @@ def test_killed_worker_ends_the_other_within_the_heartbeat_timeout(tmp_path):
          "--config.train.log_every_steps=5"],
         2, str(tmp_path),
     )
-    try:
-        deadline = time.time() + 180
-        while not logged_steps(workdir):
-            assert all(p.poll() is None for p in procs) and time.time() < deadline, read_log(tmp_path, 0)[-3000:]
-            time.sleep(0.2)
-        procs[1].kill()
-        killed_at = time.time()
-        code = procs[0].wait(timeout=120)
-        elapsed_s = time.time() - killed_at
-    finally:
-        for p in procs:
-            p.kill()
+    code, elapsed_s = kill_rank1_once_training(procs, workdir, tmp_path)
     assert code != 0
     assert elapsed_s < 60, f"survivor took {elapsed_s:.0f} s to notice"
     assert "task:1" in read_log(tmp_path, 0)  # TF names the dead worker

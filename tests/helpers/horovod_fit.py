@@ -10,7 +10,6 @@ single:    one process fitting the whole global batch, no Horovod: the reference
 """
 
 import json
-import sys
 
 import keras
 import numpy as np
