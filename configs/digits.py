@@ -4,7 +4,7 @@
     python -m tfscale.train --config=configs/digits.py --workdir=runs/demo/train \
         --config.data.data_dir=runs/demo/shards
 
-Expect eval top-1 well above 90% on the 359 held-out scans after ~1 minute on 2 CPU cores. No
+Expect eval top-1 well above 90% on the 359 held-out scans after 2-4 minutes on 2 CPU cores. No
 flips in the augmentation: a mirrored digit is a different symbol.
 """
 
