@@ -51,9 +51,10 @@ bench-input: venv
 	  --config.benchmark.image_dir=runs/photos --config.data.global_batch_size=128 \
 	  --config.benchmark.num_batches=40 --config.benchmark.num_warmup_batches=5
 
-# Per-step time of 1 vs 2 local workers (1 thread each), MWMS and Horovod in one run: weak-scaling efficiency.
+# Benchmark at 1 vs 2 local workers (1 thread each), MWMS and Horovod interleaved in one run: weak-scaling
+# table + plot in runs/sweep/report.{md,png}.
 bench-scaling: venv horovod
-	$(PY) tools/weak_scaling.py --workdir=runs/weak_scaling --workers=1,2 --backends=mwms,horovod
+	$(PY) tools/sweep.py --workdir=runs/sweep --workers=1,2 --backends=mwms,horovod
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -31,7 +31,7 @@ def test_input_benchmark_prints_and_saves_three_rates(photo_shards, tmp_path):
         "--config.benchmark.mode=input", "--config.data.dataset=tfrecord", f"--config.data.data_dir={shards}",
         f"--config.benchmark.image_dir={photos}", "--config.data.global_batch_size=8",
         "--config.data.image_size=64", "--config.benchmark.num_batches=4", "--config.benchmark.num_warmup_batches=1",
-        "--config.benchmark.input_rounds=2",
+        "--config.benchmark.rounds=2",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()

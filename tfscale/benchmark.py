@@ -1,157 +1,337 @@
-"""Benchmarks in the spirit of tf_cnn_benchmarks, built from the same parts as training.
+"""tf_cnn_benchmarks-style throughput measurement, built from the same parts as training.
 
-    python -m tfscale.benchmark --config=configs/r50_1gpu.py --workdir=runs/bench_input \
-        --config.benchmark.mode=input --config.data.dataset=tfrecord \
-        --config.data.data_dir=SHARDS --config.benchmark.image_dir=JPEG_TREE
+    python -m tfscale.benchmark --config=configs/r50_1gpu.py --workdir=runs/bench \
+        --config.benchmark.mode=synthetic [--config.benchmark.num_batches=100 ...]
+    python -m tfscale.launch --num_workers=2 -- -m tfscale.benchmark --config=... --workdir=... \
+        --config.distribute.backend=multi_worker          (or --backend=horovod ... =horovod)
 
-`input` mode measures the training input pipeline alone, side by side in one run with
-  (a) a decode-only ceiling: the same shards read in parallel and every JPEG fully decoded with
-      `tf.io.decode_jpeg`, no augmentation, images delivered as ragged batches;
-  (b) what a Keras user writes instead: `keras.utils.image_dataset_from_directory` on the same
-      images as JPEG files (resized to 8/7 of the crop, as the usual 256 -> 224 recipe) followed by
-      `RandomCrop` + `RandomFlip` (Keras 3 has no random-resized-crop layer).
-The pipelines run in turn for `benchmark.input_rounds` rounds and each figure is the median, so
-background load hits all three alike. The last line printed is one JSON object.
+Modes (`benchmark.mode`):
+  synthetic  the full training step (forward, backward, gradient all-reduce, update) on one random
+             batch held on the device, as tf_cnn_benchmarks' default: no input cost at all;
+  train      the full training step on the configured data (`data.dataset`), input pipeline included;
+             `benchmark.compare_keras_fit=True` also times Keras `model.fit` on the same model/data;
+  input      the input pipeline alone, against a decode-only ceiling and Keras' image_dataset_from_directory.
+
+Definitions (one place, the same on every backend). A step is timed from asking for its batch to
+reading its loss on the host, so the device has finished it. The first `num_warmup_batches` steps
+(tracing, autotuning, cuDNN algorithm search) are excluded from the figures and reported apart.
+  per-worker images/sec  = (global batch / workers) / mean step time of that worker; the +/- is the
+                           standard error of the per-step rates and jitter 1.4826 x their median
+                           absolute deviation, exactly as tf_cnn_benchmarks prints them;
+  total images/sec       = the sum over workers, gathered by the chief (the figure to compare with
+                           published tables, the last line printed).
+Breakdown (benchmark.json `breakdown_ms`, medians): `input_wait` is the time blocked on the
+iterator; `compute` the rest of the step; `forward_backward` a variant of the step without
+gradient all-reduce and update, on a device-resident batch; `gradient_allreduce` the step's
+all-reduce run alone on gradient-sized tensors; `update_and_other` = compute - both.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
+import sys
 import time
 
 import keras
 import ml_collections
+import numpy as np
 import tensorflow as tf
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import logging
 
+from tfscale import baselines, distribute, train
 from tfscale import config as tfs_config
-from tfscale.data import pipeline, preprocess
+from tfscale.data import pipeline
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for benchmark.json.")
-
-_KERAS_RESIZE_RATIO = 8 / 7  # resize to 256 before a 224 crop, as the classic ImageNet recipe
+_RULE = "-" * 64
+_MAD_TO_STDDEV = 1.4826  # scales a median absolute deviation to a normal standard deviation
 
 
-def _num_images(batch) -> int:
-    images = batch[0]
-    return int(images.nrows()) if isinstance(images, tf.RaggedTensor) else int(images.shape[0])
+# --- statistics -----------------------------------------------------------------------------------
 
 
-def images_per_sec(ds: tf.data.Dataset, *, warmup_batches: int, timed_batches: int) -> float:
-    """Throughput of iterating `ds` on the host, excluding `warmup_batches` (autotuning, file opens)."""
-    iterator = iter(ds)
-    for _ in range(warmup_batches):
-        next(iterator)
-    num_images = 0
-    start = time.perf_counter()
-    for _ in range(timed_batches):
-        num_images += _num_images(next(iterator))
-    return num_images / (time.perf_counter() - start)
+def speed_stats(step_times_s, images_per_step: int) -> dict:
+    """tf_cnn_benchmarks' figures for a list of step times: mean rate, its standard error, jitter."""
+    times = np.asarray(step_times_s, dtype=np.float64)
+    speeds = images_per_step / times
+    return {
+        "images_per_sec": float(images_per_step / times.mean()),
+        "stderr": float(speeds.std() / np.sqrt(len(speeds))),
+        "jitter": float(_MAD_TO_STDDEV * np.median(np.abs(speeds - np.median(speeds)))),
+        "median_images_per_sec": float(np.median(speeds)),
+        "steps": len(times),
+    }
 
 
-def tfscale_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
-    """Exactly the training pipeline, for one worker."""
-    return pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0)(tf.distribute.InputContext())
+def speed_text(stats: dict) -> str:
+    return f"images/sec: {stats['images_per_sec']:.1f} +/- {stats['stderr']:.1f} (jitter = {stats['jitter']:.1f})"
 
 
-def decode_only_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
-    """The same shards, reader parallelism and options, but a full JPEG decode and nothing else."""
-    files = pipeline.list_shards(cfg.data.data_dir, cfg.data.train_split)
-    ds = tf.data.Dataset.from_tensor_slices(files).repeat().interleave(
-        tf.data.TFRecordDataset, cycle_length=min(cfg.data.interleave_cycle, len(files)),
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=False,
-    )
-
-    def decode(serialized):
-        encoded, label = preprocess.parse_example(serialized, label_offset=cfg.data.label_offset)
-        return preprocess.decode_full(encoded), label
-
-    ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
-    ds = ds.ragged_batch(cfg.data.global_batch_size, drop_remainder=True)
-    return ds.with_options(pipeline.tf_data_options(cfg.data)).prefetch(tf.data.AUTOTUNE)
+def step_line(step: int, stats: dict, loss: float) -> str:
+    """One display line as tf_cnn_benchmarks prints it: step, running rate figures, loss."""
+    return f"{step}\t{speed_text(stats)}\t{loss:.3f}"
 
 
-def keras_baseline_input(cfg: ml_collections.ConfigDict, image_dir: str) -> tf.data.Dataset:
-    """What the Keras tutorials write: image_dataset_from_directory + augmentation layers."""
-    size = cfg.data.image_size
-    load_size = round(size * _KERAS_RESIZE_RATIO)
-    ds = keras.utils.image_dataset_from_directory(
-        image_dir, image_size=(load_size, load_size), batch_size=cfg.data.global_batch_size, shuffle=True,
-        seed=cfg.seed, verbose=False,
-    )
-    augment = keras.Sequential([keras.layers.RandomCrop(size, size), keras.layers.RandomFlip("horizontal")])
-
-    def augment_batch(images, labels):
-        return augment(images, training=True), labels
-
-    ds = ds.repeat().map(augment_batch, num_parallel_calls=tf.data.AUTOTUNE)
-    return ds.prefetch(tf.data.AUTOTUNE)
+# --- the timed steps ------------------------------------------------------------------------------
 
 
-def run_input_benchmark(cfg: ml_collections.ConfigDict) -> dict:
-    """Median images/sec of the three pipelines over `benchmark.input_rounds` interleaved rounds."""
+def _device_batch(cluster, input_fn):
+    """One batch of `input_fn`, already on every replica's device; reused by every synthetic step."""
+    return next(iter(cluster.distribute_dataset(input_fn)))
+
+
+def make_batch_step(cfg, cluster, model, optimizer):
+    """The training step of `train.py` on a given (distributed) batch, instead of an iterator."""
+    replica_step = train.make_replica_step(cfg, cluster, model, optimizer)
+    no_stop = tf.constant(0.0)
+
+    @tf.function
+    def batch_step(batch):
+        return train.run_replica_step(cluster, replica_step, *batch, no_stop)
+
+    return batch_step
+
+
+def make_forward_backward_step(cfg, cluster, model, optimizer):
+    """The step without gradient all-reduce and update: what each device computes on its own."""
+    loss_and_grads = train.make_loss_and_grads(cfg, cluster, model, optimizer)
+
+    def replica_fn(images, labels):
+        loss_share, grads = loss_and_grads(images, labels)
+        # One element of every gradient, so none is pruned, at no cost worth measuring.
+        return loss_share + tf.add_n([tf.reshape(g, [-1])[0] for g in grads])
+
+    @tf.function
+    def forward_backward(batch):
+        # Local results only: reducing them across workers would add a collective to the figure.
+        return cluster.strategy.experimental_local_results(cluster.strategy.run(replica_fn, args=batch))
+
+    return forward_backward
+
+
+def make_allreduce_step(cluster, model):
+    """The step's gradient all-reduce alone, on tensors of the gradients' shapes (the weights)."""
+
+    def replica_fn():
+        reduced = cluster.gradient_all_reduce([tf.identity(v.value) for v in model.trainable_variables])
+        return tf.add_n([tf.reshape(r, [-1])[0] for r in reduced])
+
+    @tf.function
+    def allreduce():
+        return cluster.strategy.experimental_local_results(cluster.strategy.run(replica_fn))
+
+    return allreduce
+
+
+def _wall_times_s(fn, num_calls: int, *args) -> list[float]:
+    """Seconds per call of `fn`, each call's results copied to the host (the device is done)."""
+    times = []
+    for _ in range(num_calls):
+        start = time.perf_counter()
+        tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run_steps(cfg, next_batch, batch_step, callback_list, per_worker_batch: int, is_chief: bool) -> dict:
+    """Runs warm-up + timed steps; prints the display lines (chief); returns per-step times and losses."""
     bench = cfg.benchmark
-    candidates = {"tfscale": lambda: tfscale_input(cfg), "decode_only": lambda: decode_only_input(cfg)}
-    if bench.image_dir:
-        candidates["keras_baseline"] = lambda: keras_baseline_input(cfg, bench.image_dir)
-    rates = {name: [] for name in candidates}
-    for round_index in range(bench.input_rounds):
-        for name, make in candidates.items():
-            rate = images_per_sec(make(), warmup_batches=bench.num_warmup_batches, timed_batches=bench.num_batches)
-            rates[name].append(rate)
-            logging.info("round %d  %-15s %8.1f images/sec", round_index + 1, name, rate)
-    result = {f"{name}_images_per_sec": round(statistics.median(r), 1) for name, r in rates.items()}
-    result["rounds"] = {name: [round(x, 1) for x in r] for name, r in rates.items()}
-    result.update(
-        global_batch_size=cfg.data.global_batch_size, image_size=cfg.data.image_size,
-        num_batches=bench.num_batches, num_warmup_batches=bench.num_warmup_batches, cpu_count=os.cpu_count(),
-        tensorflow=tf.__version__, keras=keras.__version__,
-    )
-    return result
+    total_steps = bench.num_warmup_batches + bench.num_batches
+    input_wait_s, compute_s, losses = [], [], []
+    if is_chief:
+        print("Step\tImg/sec\ttotal_loss", flush=True)
+    callback_list.on_train_begin()
+    for index in range(total_steps):
+        callback_list.on_train_batch_begin(index)
+        start = time.perf_counter()
+        batch = next_batch()
+        fetched = time.perf_counter()
+        loss = float(batch_step(batch)[0])  # reading the loss waits for the whole step
+        done = time.perf_counter()
+        input_wait_s.append(fetched - start)
+        compute_s.append(done - fetched)
+        losses.append(loss)
+        callback_list.on_train_batch_end(index, {"loss": loss, "global_step": index + 1})
+        timed_step = index + 1 - bench.num_warmup_batches
+        if timed_step == 0 and is_chief:
+            print(f"Done warm up ({bench.num_warmup_batches} steps, first step {1000 * (compute_s[0] + input_wait_s[0]):.0f} ms)")
+        if timed_step >= 1 and is_chief and (timed_step == 1 or timed_step % bench.display_every == 0
+                                             or timed_step == bench.num_batches):
+            timed = [i + c for i, c in zip(input_wait_s, compute_s)][bench.num_warmup_batches:]
+            print(step_line(timed_step, speed_stats(timed, per_worker_batch), loss), flush=True)
+    callback_list.on_train_end({"global_step": total_steps})
+    return {"input_wait_s": input_wait_s, "compute_s": compute_s, "losses": losses}
 
 
-def _print_input_report(result: dict) -> None:
-    ours = result["tfscale_images_per_sec"]
-    print(f"input pipeline, images/sec (batch {result['global_batch_size']}, {result['image_size']}px, "
-          f"median of {len(result['rounds']['tfscale'])} rounds):")
-    print(f"  tfscale train pipeline (crop-window decode + flip)   {ours:9.1f}")
-    rows = (("decode_only", "decode-only ceiling (full decode_jpeg)"),
-            ("keras_baseline", "keras image_dataset_from_directory + RandomCrop/Flip"))
-    for key, label in rows:
-        if f"{key}_images_per_sec" in result:
-            theirs = result[f"{key}_images_per_sec"]
-            print(f"  {label:52s} {theirs:9.1f}   tfscale = {ours / theirs:.2f}x")
-    print(json.dumps({k: v for k, v in result.items() if k.endswith("images_per_sec")}))
+def breakdown_ms(cfg, cluster, model, optimizer, batch, steps: dict) -> dict:
+    """Medians of where a step's time goes (see the module docstring for the definitions)."""
+    num_calls = cfg.benchmark.breakdown_batches
+    warm = slice(cfg.benchmark.num_warmup_batches, None)
+    forward_backward = make_forward_backward_step(cfg, cluster, model, optimizer)
+    allreduce = make_allreduce_step(cluster, model)
+    _wall_times_s(forward_backward, 2, batch)  # trace and warm up; not timed
+    _wall_times_s(allreduce, 2)
+    result = {
+        "input_wait": statistics.median(steps["input_wait_s"][warm]),
+        "compute": statistics.median(steps["compute_s"][warm]),
+        "forward_backward": statistics.median(_wall_times_s(forward_backward, num_calls, batch)),
+        "gradient_allreduce": statistics.median(_wall_times_s(allreduce, num_calls)),
+    }
+    result["update_and_other"] = result["compute"] - result["forward_backward"] - result["gradient_allreduce"]
+    return {key: round(1000 * value, 3) for key, value in result.items()}
+
+
+def _benchmark_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of `cfg` for the run: synthetic mode ignores the configured data."""
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    if cfg.benchmark.mode == "synthetic":
+        cfg.data.dataset = "synthetic"
+    return cfg
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__}
+    horovod = sys.modules.get("horovod")  # reported only when this run imported it
+    found["horovod"] = getattr(horovod, "__version__", None)
+    return found
+
+
+def host_info() -> dict:
+    """Where a figure was measured: host, cores, visible devices."""
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "devices": [d.name for d in tf.config.list_logical_devices()],
+        "gpus": [tf.config.experimental.get_device_details(g).get("device_name", g.name)
+                 for g in tf.config.list_physical_devices("GPU")],
+    }
+
+
+def _gather_rates(cluster, steps: dict, per_worker_batch: int, warmup: int) -> list[dict]:
+    """Every worker's rate with and without warm-up, gathered in rank order (a collective)."""
+    step_s = [i + c for i, c in zip(steps["input_wait_s"], steps["compute_s"])]
+    own = [speed_stats(step_s[warmup:], per_worker_batch)["images_per_sec"],
+           speed_stats(step_s, per_worker_batch)["images_per_sec"], 1000 * statistics.median(step_s[warmup:])]
+    rows = cluster.gather_per_worker(own)
+    return [{"rank": rank, "images_per_sec": round(r[0], 2), "images_per_sec_incl_warmup": round(r[1], 2),
+             "median_step_ms": round(r[2], 3)} for rank, r in enumerate(rows)]
+
+
+def run_step_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[dict, bool]:
+    """Modes synthetic and train: times the training step on every worker; (report, is this the chief)."""
+    cluster = distribute.setup(cfg.distribute)
+    tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
+    data_dir = pipeline.prepare_data_dir(cfg.data, num_train_examples=cfg.data.num_train_examples,
+                                         num_eval_examples=cfg.data.num_eval_examples)
+    with train.precision_policy(cfg.precision):
+        model, optimizer = train.build_model_and_optimizer(cfg, cluster)
+        input_fn = pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0, data_dir=data_dir)
+        fit_comparison = None
+        if cfg.benchmark.compare_keras_fit:
+            fit_comparison = baselines.compare_keras_fit(cfg, cluster, data_dir)
+        batch_step = make_batch_step(cfg, cluster, model, optimizer)
+        if cfg.benchmark.mode == "synthetic":
+            device_batch = _device_batch(cluster, input_fn)
+            next_batch = lambda: device_batch  # noqa: E731 - the same device-resident batch every step
+        else:
+            iterator = iter(cluster.distribute_dataset(input_fn))
+            next_batch = lambda: next(iterator)  # noqa: E731
+        callback_list = keras.callbacks.CallbackList(train.profiler_callbacks(cfg, workdir, cluster), model=model)
+        per_worker_batch = cfg.data.global_batch_size // cluster.size
+        steps = run_steps(cfg, next_batch, batch_step, callback_list, per_worker_batch, cluster.is_chief)
+        breakdown = breakdown_ms(cfg, cluster, model, optimizer, next_batch(), steps)
+    per_worker = _gather_rates(cluster, steps, per_worker_batch, cfg.benchmark.num_warmup_batches)
+    return _step_report(cfg, cluster, steps, per_worker, breakdown, fit_comparison), cluster.is_chief
+
+
+def _step_report(cfg, cluster, steps: dict, per_worker: list[dict], breakdown: dict, fit_comparison) -> dict:
+    warmup = cfg.benchmark.num_warmup_batches
+    step_s = [i + c for i, c in zip(steps["input_wait_s"], steps["compute_s"])]
+    own = speed_stats(step_s[warmup:], cfg.data.global_batch_size // cluster.size)
+    report = {
+        "mode": cfg.benchmark.mode,
+        "model": cfg.model.name,
+        "backend": cluster.backend,
+        "num_workers": cluster.size,
+        "num_replicas": cluster.num_replicas,
+        "global_batch_size": cfg.data.global_batch_size,
+        "per_worker_batch_size": cfg.data.global_batch_size // cluster.size,
+        "num_warmup_batches": warmup,
+        "num_batches": cfg.benchmark.num_batches,
+        "precision": cfg.precision,
+        "total_images_per_sec": round(sum(w["images_per_sec"] for w in per_worker), 2),
+        "total_images_per_sec_incl_warmup": round(sum(w["images_per_sec_incl_warmup"] for w in per_worker), 2),
+        "chief": {key: round(value, 3) for key, value in own.items()},
+        "per_worker": per_worker,
+        "step_time_ms": {
+            "mean": round(1000 * statistics.mean(step_s[warmup:]), 3),
+            "median": round(1000 * statistics.median(step_s[warmup:]), 3),
+            "first": round(1000 * step_s[0], 3),
+        },
+        "steps_ms": {  # the chief's, every step including warm-up (the first is usually the slowest); unrounded,
+            # so the printed figures can be recomputed from them exactly
+            "input_wait": [1000 * t for t in steps["input_wait_s"]],
+            "compute": [1000 * t for t in steps["compute_s"]],
+        },
+        "losses": steps["losses"],
+        "breakdown_ms": breakdown,
+        "versions": versions(),
+        "host": host_info(),
+    }
+    if fit_comparison:
+        report["keras_fit_comparison"] = fit_comparison
+    return report
+
+
+def print_step_summary(report: dict) -> None:
+    chief = report["chief"]
+    print(_RULE)
+    print(f"{speed_text(chief)}  [per worker, {chief['steps']} steps after {report['num_warmup_batches']} warm-up]")
+    print(f"with warm-up steps: total images/sec {report['total_images_per_sec_incl_warmup']:.2f} "
+          f"(first step {report['step_time_ms']['first']:.0f} ms)")
+    parts = "  ".join(f"{k} {v:.1f}" for k, v in report["breakdown_ms"].items())
+    print(f"step breakdown, ms (median): {parts}")
+    print(_RULE)
+    print(f"total images/sec: {report['total_images_per_sec']:.2f}", flush=True)  # the last line, as documented
+
+
+def write_report(workdir: str, report: dict, cfg: ml_collections.ConfigDict) -> str:
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "benchmark.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({**report, "config": cfg.to_dict()}, f, indent=2)
+    os.replace(path + ".tmp", path)  # never a half-written report
+    return path
 
 
 def run_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
-    tfs_config.validate(cfg)
-    if cfg.benchmark.mode != "input":
-        raise NotImplementedError(f"config.benchmark.mode={cfg.benchmark.mode!r} is not implemented yet")
-    if cfg.data.dataset != "tfrecord":
-        raise ValueError("config.benchmark.mode='input' needs config.data.dataset='tfrecord' and data_dir")
-    result = run_input_benchmark(cfg)
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "benchmark.json"), "w") as f:
-        json.dump({"mode": "input", **result, "config": cfg.to_dict()}, f, indent=2)
-    _print_input_report(result)
-    return result
-
-
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    run_benchmark(_CONFIG.value, _WORKDIR.value)
+    """Runs `cfg.benchmark.mode`; the chief prints the report and writes workdir/benchmark.json."""
+    tfs_config.validate(cfg)  # config mistakes fail before any cluster is waited for
+    cfg = _benchmark_config(cfg)
+    if cfg.benchmark.mode == "input":
+        if cfg.data.dataset != "tfrecord":
+            raise ValueError("config.benchmark.mode='input' needs config.data.dataset='tfrecord' and data_dir")
+        report = {"mode": "input", **baselines.compare_input_pipelines(cfg), "versions": versions(), "host": host_info()}
+        write_report(workdir, report, cfg)
+        baselines.print_input_report(report)
+        print(json.dumps({k: v for k, v in report.items() if k.endswith("images_per_sec")}))
+        return report
+    report, is_chief = run_step_benchmark(cfg, workdir)
+    if is_chief:
+        path = write_report(workdir, report, cfg)
+        if "keras_fit_comparison" in report:
+            baselines.print_fit_report(report["keras_fit_comparison"], cfg)
+        print_step_summary(report)
+        logging.info("benchmark report: %s", path)
+    return report
 
 
 def run():
     """Console-script entry point (`tfscale-bench`)."""
-    flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main, flags_parser=tfs_config.parse_flags)
+    tfs_config.run_cli(run_benchmark, workdir_help="Directory for benchmark.json (and a profiler trace).")
 
 
 if __name__ == "__main__":

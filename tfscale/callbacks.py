@@ -140,6 +140,42 @@ class CheckpointSaver(keras.callbacks.Callback):
             self.save(int(logs["global_step"]))
 
 
+class Profiler(keras.callbacks.Callback):
+    """Captures a TensorFlow profiler trace of global steps `first_step..last_step` (1-based, inclusive).
+
+    The trace lands in `logdir/plugins/profile/<run>/`, where TensorBoard's Profile tab finds it
+    (`pip install tensorboard-plugin-profile`). Only the chief profiles: one worker's trace shows the
+    step, the input waits and the all-reduce, and only the chief writes files.
+    """
+
+    def __init__(self, logdir: str, *, first_step: int, last_step: int, is_chief: bool):
+        super().__init__()
+        self.logdir = logdir
+        self.first_step, self.last_step = first_step, last_step
+        self.enabled = is_chief
+        self.active = False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        next_step = int(self.model.optimizer.iterations.numpy()) + 1
+        if self.enabled and not self.active and self.first_step <= next_step <= self.last_step:
+            tf.profiler.experimental.start(self.logdir)
+            self.active = True
+            logging.info("profiler: tracing steps %d..%d into %s", next_step, self.last_step, self.logdir)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.active and int(logs["global_step"]) >= self.last_step:
+            self._stop()
+
+    def on_train_end(self, logs=None):
+        if self.active:  # training ended inside the window: keep what was traced
+            self._stop()
+
+    def _stop(self) -> None:
+        tf.profiler.experimental.stop()
+        self.active = False
+        logging.info("profiler: trace written under %s (TensorBoard, Profile tab)", self.logdir)
+
+
 # --- Keras 3 replacements for horovod.tensorflow.keras callbacks ------------------------------------
 # Horovod's own Keras callbacks fail on Keras 3 (they need `.ref()` on variables). These keep their
 # meaning for users porting a Horovod `model.fit` script; pair them with

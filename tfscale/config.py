@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
 import sys
+from typing import Callable
 
 import ml_collections
-from absl import flags, logging
+from absl import app, flags, logging
+from ml_collections import config_flags
 
 # Above this global batch plain SGD loses accuracy even with warmup (Goyal et al. 2017: 8k is the
 # limit of linear scaling); LARS is what carries ResNet-50 past it.
@@ -40,6 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0  # seeds weight init, synthetic data and shuffling; same seed -> same run
     c.precision = "float32"  # float32 | mixed_float16 (GPU, loss-scaled) | mixed_bfloat16 (TPU/Ampere+, CPU)
     c.jit_compile = False  # XLA-compile the train step (GPU clusters; slower to start)
+    c.profile_steps = ""  # "START,END": TensorFlow profiler trace of those global steps into tensorboard/
 
     c.model = ml_collections.ConfigDict()
     c.model.name = "resnet50"  # key of tfscale.models.MODELS
@@ -131,8 +133,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.benchmark.num_warmup_batches = 10  # steps excluded from the reported rate
     c.benchmark.num_batches = 100  # timed steps
     c.benchmark.display_every = 10  # print a step line this often
+    c.benchmark.breakdown_batches = 20  # train/synthetic: steps timed for the forward+backward and all-reduce parts
     c.benchmark.image_dir = ""  # input mode: the same images as a JPEG class tree, for the Keras baseline
-    c.benchmark.input_rounds = 3  # input mode: interleaved rounds per pipeline; the median is reported
+    c.benchmark.compare_keras_fit = False  # train mode, 1 process: also time Keras model.fit on the same model/data
+    c.benchmark.rounds = 3  # side-by-side comparisons: interleaved rounds per candidate; the median is reported
     return c
 
 
@@ -176,6 +180,22 @@ def to_steps(cfg: ml_collections.ConfigDict) -> Steps:
         eval_steps=eval_steps,
         eval_batch_padding=padding if eval_steps == full_eval_steps else 0,
     )
+
+
+def profile_window(profile_steps: str) -> tuple[int, int] | None:
+    """`config.profile_steps` "START,END" -> (START, END) global steps, or None when empty."""
+    if not profile_steps:
+        return None
+    parts = str(profile_steps).split(",")
+    try:
+        first, last = (int(p) for p in parts)
+    except ValueError:
+        first = last = 0
+    if len(parts) != 2 or not 1 <= first <= last:
+        raise ValueError(
+            f"config.profile_steps={profile_steps!r} must be 'START,END' with 1 <= START <= END (global steps), e.g. '10,20'"
+        )
+    return first, last
 
 
 def _require_choice(key: str, value: str, choices) -> None:
@@ -231,7 +251,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
         "train.epochs", "train.log_every_steps", "train.eval_every_epochs",
         "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
         "distribute.connect_timeout_s", "distribute.heartbeat_timeout_s",
-        "benchmark.num_batches", "benchmark.display_every", "benchmark.input_rounds",
+        "benchmark.num_batches", "benchmark.display_every", "benchmark.rounds", "benchmark.breakdown_batches",
     ))
     if cfg.data.global_batch_size > cfg.data.num_train_examples:
         raise ValueError(
@@ -258,6 +278,9 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
         raise ValueError(f"config.data.eval_global_batch_size must be > 0 or -1, got {eval_batch}")
     _require_divisible("data.eval_global_batch_size", eval_batch, num_replicas)
     schedules.check(cfg.schedule, total_epochs=cfg.train.epochs)
+    profile_window(cfg.profile_steps)  # raises on a malformed window
+    if cfg.benchmark.num_warmup_batches < 0:
+        raise ValueError(f"config.benchmark.num_warmup_batches must be >= 0, got {cfg.benchmark.num_warmup_batches}")
     if cfg.data.global_batch_size > LARGE_BATCH_WITHOUT_LARS and cfg.optim.name != "lars":
         logging.warning(
             "config.data.global_batch_size=%d exceeds %d with config.optim.name=%r: expect an accuracy "
@@ -276,3 +299,21 @@ def parse_flags(argv: list[str]) -> list[str]:
             message = message.args[0]
         overrides = " ".join(a for a in argv[1:] if a.startswith("--config."))
         sys.exit(f"FATAL unknown config key among {overrides}: {' '.join(str(message).split())}")
+
+
+def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_help: str) -> None:
+    """Runs a `--config=FILE[:ARG] --workdir=DIR [--config.x.y=v ...]` command: `main(config, workdir)`.
+
+    The flags are defined here, when a CLI starts, not at import: modules that import each other
+    (the benchmark builds with train's functions) would otherwise define `--config` twice.
+    """
+    config = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
+    workdir = flags.DEFINE_string("workdir", None, workdir_help)
+    flags.mark_flags_as_required(["config", "workdir"])
+
+    def app_main(argv):
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        main(config.value, workdir.value)
+
+    app.run(app_main, flags_parser=parse_flags)

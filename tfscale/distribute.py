@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import keras
 import ml_collections
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -85,6 +86,16 @@ class Cluster:
         compression = self.hvd.Compression.fp16 if self.fp16_allreduce else self.hvd.Compression.none
         return self.hvd.grouped_allreduce(grads, op=self.hvd.Average, compression=compression)
 
+    def gradient_all_reduce(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        """The cross-replica gradient reduction of a training step, as an op of its own (call inside a replica step).
+
+        Horovod: the same average (and compression) as `all_reduce_gradients`. tf.distribute: the
+        replica-context SUM that Keras' `apply_gradients` performs. The benchmark times it alone.
+        """
+        if self.hvd is not None:
+            return self.all_reduce_gradients(grads)
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+
     def average_state(self, variables) -> None:
         """Averages non-trainable model state (BatchNorm moving statistics) over all replicas.
 
@@ -112,6 +123,26 @@ class Cluster:
         if self.hvd is None or not values:
             return list(values)
         return self.hvd.allreduce(tf.constant(values, tf.float64), op=self.hvd.Average).numpy().tolist()
+
+    def gather_per_worker(self, values: list[float]) -> list[list[float]]:
+        """Every worker's `values` (the same length on each), in rank order, returned on every worker.
+
+        Eager; every worker must call it at the same point (it is a collective).
+        """
+        rows = np.zeros([self.size, len(values)])
+        rows[self.rank] = values
+        if self.size == 1:
+            return rows.tolist()
+        if self.hvd is not None:
+            return self.hvd.allreduce(tf.constant(rows), op=self.hvd.Sum).numpy().tolist()
+        # A strategy reduce sums over replicas; each worker's replicas share its row.
+        share = tf.constant(rows / (self.num_replicas // self.size))
+
+        @tf.function
+        def sum_rows():
+            return self.strategy.reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(lambda: share), axis=None)
+
+        return sum_rows().numpy().tolist()
 
     def broadcast_from_chief(self, variables) -> None:
         """Copies the chief's values into `variables` (Keras or TF variables) on every process.

@@ -10,6 +10,7 @@ Why a custom loop: Keras 3 `model.fit` fails under MultiWorkerMirroredStrategy (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,8 +24,7 @@ import time
 import keras
 import ml_collections
 import tensorflow as tf
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import logging
 
 from tfscale import callbacks as tfs_callbacks
 from tfscale import config as tfs_config
@@ -34,9 +34,6 @@ from tfscale.data import pipeline
 # Exit code after SIGTERM: the checkpoint is saved, rerun the same command (requeue) to resume.
 # 75 is sysexits' EX_TEMPFAIL ("temporary failure; the user is invited to retry").
 EXIT_PREEMPTED = 75
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summaries.")
 
 
 def build_model(cfg: ml_collections.ConfigDict) -> keras.Model:
@@ -64,7 +61,41 @@ def build_optimizer(cfg: ml_collections.ConfigDict, model: keras.Model) -> keras
     return optimizer
 
 
-def _cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
+def build_model_and_optimizer(cfg: ml_collections.ConfigDict, cluster) -> tuple[keras.Model, keras.optimizers.Optimizer]:
+    """Seeded model and optimizer in the cluster's strategy scope; logs parameters and FLOPs."""
+    keras.utils.set_random_seed(cfg.seed)
+    with cluster.strategy.scope():
+        model = build_model(cfg)
+        optimizer = build_optimizer(cfg, model)
+    # What standard Keras callbacks look for; fit() would set them, and we never call compile/fit.
+    model.optimizer = optimizer
+    model.stop_training = False
+    info = models.describe(model)
+    logging.info("model %s: %d parameters, %.3g GFLOPs/image", cfg.model.name, info["params"], info["flops_per_image"] / 1e9)
+    return model, optimizer
+
+
+@contextlib.contextmanager
+def precision_policy(precision: str):
+    """Keras' global dtype policy set to `precision` for the block, restored afterwards."""
+    previous_policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(precision)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous_policy)
+
+
+def profiler_callbacks(cfg: ml_collections.ConfigDict, workdir: str, cluster) -> list[keras.callbacks.Callback]:
+    """A Profiler for `config.profile_steps` (writing into workdir/tensorboard), or nothing."""
+    window = tfs_config.profile_window(cfg.profile_steps)
+    if window is None:
+        return []
+    logdir = os.path.join(workdir, "tensorboard")
+    return [tfs_callbacks.Profiler(logdir, first_step=window[0], last_step=window[1], is_chief=cluster.is_chief)]
+
+
+def cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
     """Per-example loss in float32; `labels` are class ids, or soft targets from MixUp/CutMix."""
     targets = labels if labels.dtype.is_floating else tf.one_hot(labels, num_classes, dtype=tf.float32)
     return keras.losses.categorical_crossentropy(
@@ -72,21 +103,16 @@ def _cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
     )
 
 
-def make_train_step(cfg, cluster, model, optimizer):
-    """A compiled function running one global step.
-
-    `train_step(iterator, stop_requested)` returns [mean loss over the global batch, number of
-    replicas whose worker was asked to stop].
-    """
+def make_loss_and_grads(cfg, cluster, model, optimizer):
+    """`loss_and_grads(images, labels) -> (loss share, gradients)` of one replica: forward + backward only."""
     global_batch_size = cfg.data.global_batch_size
     weight_decay = optim.loss_weight_decay(cfg.optim)
-
     loss_batch_size = cluster.loss_batch_size(global_batch_size)
 
     def loss_and_grads(images, labels):
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
-            per_example = _cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
+            per_example = cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
             # Normalised so that the backend's gradient reduction yields the global-batch mean.
             objective = tf.nn.compute_average_loss(per_example, global_batch_size=loss_batch_size)
             if weight_decay:
@@ -99,7 +125,13 @@ def make_train_step(cfg, cluster, model, optimizer):
     if cfg.jit_compile:
         # XLA compiles forward + backward only: the iterator and the cross-replica gradient
         # all-reduce inside apply_gradients cannot live in an XLA cluster.
-        loss_and_grads = tf.function(loss_and_grads, jit_compile=True)
+        return tf.function(loss_and_grads, jit_compile=True)
+    return loss_and_grads
+
+
+def make_replica_step(cfg, cluster, model, optimizer):
+    """`replica_step(images, labels, stop_requested) -> [loss share, stop flag]`: one replica's part of a step."""
+    loss_and_grads = make_loss_and_grads(cfg, cluster, model, optimizer)
 
     def replica_step(images, labels, stop_requested):
         loss_share, grads = loss_and_grads(images, labels)
@@ -111,10 +143,26 @@ def make_train_step(cfg, cluster, model, optimizer):
         # learns it at the same step and they checkpoint together (saving is a collective).
         return tf.stack([loss_share, stop_requested])
 
+    return replica_step
+
+
+def run_replica_step(cluster, replica_step, images, labels, stop_requested):
+    """Runs `replica_step` on every replica; returns [mean loss over the global batch, replicas stopping]."""
+    per_replica = cluster.strategy.run(replica_step, args=(images, labels, stop_requested))
+    return cluster.sum_across_processes(cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None))
+
+
+def make_train_step(cfg, cluster, model, optimizer):
+    """A compiled function running one global step.
+
+    `train_step(iterator, stop_requested)` returns [mean loss over the global batch, number of
+    replicas whose worker was asked to stop].
+    """
+    replica_step = make_replica_step(cfg, cluster, model, optimizer)
+
     @tf.function
     def train_step(iterator, stop_requested):
-        per_replica = cluster.strategy.run(replica_step, args=(*next(iterator), stop_requested))
-        return cluster.sum_across_processes(cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None))
+        return run_replica_step(cluster, replica_step, *next(iterator), stop_requested)
 
     return train_step
 
@@ -125,7 +173,7 @@ def make_eval_step(cfg, cluster, model):
 
     def replica_step(images, labels, mask):
         logits = tf.cast(model(images, training=False), tf.float32)
-        per_example = _cross_entropy(labels, logits, cfg.data.num_classes, 0.0)
+        per_example = cross_entropy(labels, logits, cfg.data.num_classes, 0.0)
         top1 = tf.cast(tf.math.in_top_k(labels, logits, 1), tf.float32)
         top5 = tf.cast(tf.math.in_top_k(labels, logits, top_k), tf.float32)
         # Sums, not means: padded examples (mask 0) drop out and the totals add across replicas exactly.
@@ -225,14 +273,12 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
     if cluster.is_chief:
         _write_json(os.path.join(workdir, "config.json"), cfg.to_dict())
 
-    previous_policy = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(cfg.precision)
     stop_requested, restore_sigterm = _watch_sigterm()
     try:
-        return _run(cfg, workdir, cluster, steps, extra_callbacks, stop_requested)
+        with precision_policy(cfg.precision):
+            return _run(cfg, workdir, cluster, steps, extra_callbacks, stop_requested)
     finally:
         restore_sigterm()
-        keras.config.set_dtype_policy(previous_policy)
 
 
 def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_requested: threading.Event) -> dict:
@@ -240,18 +286,10 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_r
     data_dir = pipeline.prepare_data_dir(
         cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples
     )
-    keras.utils.set_random_seed(cfg.seed)
-    strategy = cluster.strategy
-    with strategy.scope():
-        model = build_model(cfg)
-        optimizer = build_optimizer(cfg, model)
+    model, optimizer = build_model_and_optimizer(cfg, cluster)
+    with cluster.strategy.scope():
         # The loop's step; differs from optimizer.iterations when float16 loss scaling skips a step.
         global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    # What standard Keras callbacks look for; fit() would set them, and we never call compile/fit.
-    model.optimizer = optimizer
-    model.stop_training = False
-    info = models.describe(model)
-    logging.info("model %s: %d parameters, %.3g GFLOPs/image", cfg.model.name, info["params"], info["flops_per_image"] / 1e9)
 
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, global_step=global_step)
     manager = _checkpoint_manager(checkpoint, workdir, cluster, cfg.checkpoint.max_to_keep)
@@ -295,7 +333,8 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_r
     )
     saver = tfs_callbacks.CheckpointSaver(manager, every_steps=steps.checkpoint_every_steps, restored_step=restored_step)
     callback_list = keras.callbacks.CallbackList(
-        [tfs_callbacks.LearningRateScheduler(schedule), logger, saver, *extra_callbacks], model=model,
+        [tfs_callbacks.LearningRateScheduler(schedule), logger, saver, *profiler_callbacks(cfg, workdir, cluster),
+         *extra_callbacks], model=model,
         epochs=math.ceil(steps.train_steps / steps.steps_per_epoch), steps=steps.steps_per_epoch,
     )
 
@@ -359,11 +398,10 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_r
     return summary
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main(cfg: ml_collections.ConfigDict, workdir: str) -> None:
+    """The CLI's work: train, and turn a preemption into its documented exit code."""
     try:
-        train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+        train_and_evaluate(cfg, workdir)
     except Preempted as preempted:
         logging.warning("%s; exit code %d", preempted, EXIT_PREEMPTED)
         sys.exit(EXIT_PREEMPTED)
@@ -371,8 +409,7 @@ def main(argv):
 
 def run():
     """Console-script entry point (`tfscale-train`)."""
-    flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main, flags_parser=tfs_config.parse_flags)
+    tfs_config.run_cli(main, workdir_help="Directory for checkpoints, metrics and summaries.")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import sys
 
 import keras
 import numpy as np
-from absl import app
 
 from tfscale import config as tfs_config
 from tfscale import train
@@ -30,11 +29,11 @@ class DumpWeights(keras.callbacks.Callback):
         np.savez(self.path, *[v.numpy() for v in self.model.weights])
 
 
-def main(argv):
-    train.train_and_evaluate(train._CONFIG.value, train._WORKDIR.value, extra_callbacks=[DumpWeights(OUTPUT)])
+def main(cfg, workdir):
+    train.train_and_evaluate(cfg, workdir, extra_callbacks=[DumpWeights(OUTPUT)])
 
 
 if __name__ == "__main__":
     RANK = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     OUTPUT = sys.argv.pop(1).replace("{rank}", RANK)
-    app.run(main, flags_parser=tfs_config.parse_flags)
+    tfs_config.run_cli(main, workdir_help="workdir")

@@ -1,0 +1,217 @@
+"""What a user would write instead of tfscale, timed side by side with tfscale in one run.
+
+Every comparison runs its candidates in turn for `benchmark.rounds` rounds and reports each
+candidate's median, so a slow moment of the host hits all candidates alike; ratios are the figures
+to quote, not the absolute rates of a shared 2-core machine.
+
+  * `compare_input_pipelines` (benchmark.mode=input): tfscale's training input pipeline vs
+      (a) a decode-only ceiling: the same shards read in parallel and every JPEG fully decoded with
+          `tf.io.decode_jpeg`, no augmentation, images delivered as ragged batches;
+      (b) `keras.utils.image_dataset_from_directory` on the same images as JPEG files (resized to
+          8/7 of the crop, as the usual 256 -> 224 recipe) followed by `RandomCrop` + `RandomFlip`
+          (Keras 3 has no random-resized-crop layer).
+  * `compare_keras_fit` (benchmark.mode=train, compare_keras_fit=True, one process): tfscale's
+      training step (`train.make_train_step`, what the loop runs) vs Keras `model.fit` on the same
+      model, optimizer, input pipeline and batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import keras
+import ml_collections
+import tensorflow as tf
+from absl import logging
+
+from tfscale import optim, train
+from tfscale.data import pipeline, preprocess
+
+_KERAS_RESIZE_RATIO = 8 / 7  # resize to 256 before a 224 crop, as the classic ImageNet recipe
+
+
+def median_rates(candidates: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Runs every candidate (a function returning images/sec) once per round, in turn; all rates."""
+    rates = {name: [] for name in candidates}
+    for round_index in range(rounds):
+        for name, measure in candidates.items():
+            rates[name].append(measure())
+            logging.info("round %d  %-15s %8.1f images/sec", round_index + 1, name, rates[name][-1])
+    return rates
+
+
+def summarize_rates(rates: dict[str, list[float]]) -> dict:
+    """`<name>_images_per_sec` medians plus every round's figure under `rounds`."""
+    result = {f"{name}_images_per_sec": round(statistics.median(r), 1) for name, r in rates.items()}
+    result["rounds"] = {name: [round(x, 1) for x in r] for name, r in rates.items()}
+    return result
+
+
+# --- input pipelines ------------------------------------------------------------------------------
+
+
+def _num_images(batch) -> int:
+    images = batch[0]
+    return int(images.nrows()) if isinstance(images, tf.RaggedTensor) else int(images.shape[0])
+
+
+def dataset_images_per_sec(ds: tf.data.Dataset, *, warmup_batches: int, timed_batches: int) -> float:
+    """Throughput of iterating `ds` on the host, excluding `warmup_batches` (autotuning, file opens)."""
+    iterator = iter(ds)
+    for _ in range(warmup_batches):
+        next(iterator)
+    num_images = 0
+    start = time.perf_counter()
+    for _ in range(timed_batches):
+        num_images += _num_images(next(iterator))
+    return num_images / (time.perf_counter() - start)
+
+
+def tfscale_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
+    """Exactly the training pipeline, for one worker."""
+    return pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0)(tf.distribute.InputContext())
+
+
+def decode_only_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
+    """The same shards, reader parallelism and options, but a full JPEG decode and nothing else."""
+    files = pipeline.list_shards(cfg.data.data_dir, cfg.data.train_split)
+    ds = tf.data.Dataset.from_tensor_slices(files).repeat().interleave(
+        tf.data.TFRecordDataset, cycle_length=min(cfg.data.interleave_cycle, len(files)),
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=False,
+    )
+
+    def decode(serialized):
+        encoded, label = preprocess.parse_example(serialized, label_offset=cfg.data.label_offset)
+        return preprocess.decode_full(encoded), label
+
+    ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+    ds = ds.ragged_batch(cfg.data.global_batch_size, drop_remainder=True)
+    return ds.with_options(pipeline.tf_data_options(cfg.data)).prefetch(tf.data.AUTOTUNE)
+
+
+def keras_baseline_input(cfg: ml_collections.ConfigDict, image_dir: str) -> tf.data.Dataset:
+    """What the Keras tutorials write: image_dataset_from_directory + augmentation layers."""
+    size = cfg.data.image_size
+    load_size = round(size * _KERAS_RESIZE_RATIO)
+    ds = keras.utils.image_dataset_from_directory(
+        image_dir, image_size=(load_size, load_size), batch_size=cfg.data.global_batch_size, shuffle=True,
+        seed=cfg.seed, verbose=False,
+    )
+    augment = keras.Sequential([keras.layers.RandomCrop(size, size), keras.layers.RandomFlip("horizontal")])
+
+    def augment_batch(images, labels):
+        return augment(images, training=True), labels
+
+    ds = ds.repeat().map(augment_batch, num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
+    """Median images/sec of tfscale's pipeline, the decode-only ceiling and (with image_dir) Keras'."""
+    bench = cfg.benchmark
+    makers = {"tfscale": lambda: tfscale_input(cfg), "decode_only": lambda: decode_only_input(cfg)}
+    if bench.image_dir:
+        makers["keras_baseline"] = lambda: keras_baseline_input(cfg, bench.image_dir)
+
+    def timed(make):
+        return lambda: dataset_images_per_sec(make(), warmup_batches=bench.num_warmup_batches,
+                                              timed_batches=bench.num_batches)
+
+    result = summarize_rates(median_rates({name: timed(make) for name, make in makers.items()}, bench.rounds))
+    result.update(global_batch_size=cfg.data.global_batch_size, image_size=cfg.data.image_size,
+                  num_batches=bench.num_batches, num_warmup_batches=bench.num_warmup_batches)
+    return result
+
+
+def print_input_report(result: dict) -> None:
+    ours = result["tfscale_images_per_sec"]
+    print(f"input pipeline, images/sec (batch {result['global_batch_size']}, {result['image_size']}px, "
+          f"median of {len(result['rounds']['tfscale'])} rounds):")
+    print(f"  tfscale train pipeline (crop-window decode + flip)   {ours:9.1f}")
+    rows = (("decode_only", "decode-only ceiling (full decode_jpeg)"),
+            ("keras_baseline", "keras image_dataset_from_directory + RandomCrop/Flip"))
+    for key, label in rows:
+        if f"{key}_images_per_sec" in result:
+            theirs = result[f"{key}_images_per_sec"]
+            print(f"  {label:52s} {theirs:9.1f}   tfscale = {ours / theirs:.2f}x")
+
+
+# --- training loop vs model.fit -------------------------------------------------------------------
+
+
+class _EpochTimer(keras.callbacks.Callback):
+    """Wall time of each epoch of `fit`; Keras waits for the epoch's last step before on_epoch_end."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def _keras_fit_model(cfg: ml_collections.ConfigDict) -> keras.Model:
+    """The same model and optimizer, compiled as a Keras user would (L2 through the loss, as tfscale)."""
+    keras.utils.set_random_seed(cfg.seed)
+    model = train.build_model(cfg)
+    weight_decay = optim.loss_weight_decay(cfg.optim)
+
+    def loss(labels, logits):
+        per_example = train.cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
+        return tf.reduce_mean(per_example) + (optim.l2_loss(model.trainable_variables, weight_decay) if weight_decay else 0.0)
+
+    model.compile(optimizer=train.build_optimizer(cfg, model), loss=loss, jit_compile=cfg.jit_compile)
+    return model
+
+
+def _fit_rate(model: keras.Model, ds: tf.data.Dataset, num_batches: int, global_batch_size: int) -> float:
+    """images/sec of the second of two `fit` epochs of `num_batches` steps (the first traces and warms up)."""
+    timer = _EpochTimer()
+    model.fit(ds, epochs=2, steps_per_epoch=num_batches, verbose=0, callbacks=[timer])
+    return num_batches * global_batch_size / timer.seconds[1]
+
+
+def _loop_rate(train_step, cluster, input_fn, num_batches: int, global_batch_size: int) -> float:
+    """images/sec of tfscale's step over `num_batches` steps after as many warm-up steps (fit's treatment)."""
+    iterator = iter(cluster.distribute_dataset(input_fn))
+    no_stop = tf.constant(0.0)
+    for _ in range(num_batches):
+        train_step(iterator, no_stop).numpy()
+    start = time.perf_counter()
+    for _ in range(num_batches):
+        train_step(iterator, no_stop).numpy()  # the loop reads the loss every step, so does this
+    return num_batches * global_batch_size / (time.perf_counter() - start)
+
+
+def compare_keras_fit(cfg: ml_collections.ConfigDict, cluster, data_dir: str) -> dict:
+    """Median images/sec of tfscale's training step and of Keras `model.fit`, same model, data and batch."""
+    if cluster.size != 1 or cluster.num_replicas != 1:
+        raise ValueError("config.benchmark.compare_keras_fit=True compares one process on one device: "
+                         "run it without a launcher and with config.distribute.backend=one_device")
+    batch, steps = cfg.data.global_batch_size, cfg.benchmark.num_batches
+    input_fn = pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0, data_dir=data_dir)
+    model, optimizer = train.build_model_and_optimizer(cfg, cluster)
+    train_step = train.make_train_step(cfg, cluster, model, optimizer)
+    fit_model = _keras_fit_model(cfg)
+    candidates = {
+        "tfscale_loop": lambda: _loop_rate(train_step, cluster, input_fn, steps, batch),
+        "keras_fit": lambda: _fit_rate(fit_model, input_fn(tf.distribute.InputContext()), steps, batch),
+    }
+    result = summarize_rates(median_rates(candidates, cfg.benchmark.rounds))
+    result["tfscale_vs_keras_fit"] = round(result["tfscale_loop_images_per_sec"] / result["keras_fit_images_per_sec"], 3)
+    return result
+
+
+def print_fit_report(result: dict, cfg: ml_collections.ConfigDict) -> None:
+    rounds = len(result["rounds"]["tfscale_loop"])
+    print(f"training step vs Keras model.fit ({cfg.model.name}, batch {cfg.data.global_batch_size}, "
+          f"{cfg.data.dataset} data, median of {rounds} rounds):")
+    print(f"  tfscale loop step     {result['tfscale_loop_images_per_sec']:9.1f} images/sec")
+    print(f"  keras model.fit       {result['keras_fit_images_per_sec']:9.1f} images/sec")
+    print(f"  tfscale = {result['tfscale_vs_keras_fit']:.3f}x model.fit")
+
