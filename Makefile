@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TF_EXTRA)
 
 HOROVOD_STAMP := $(VENV)/.installed-horovod
 
-.PHONY: venv horovod demo test test-fast test-slow bench-input bench-scaling clean
+.PHONY: venv horovod demo test test-fast test-slow bench-input bench-fit bench-convert bench-scaling clean
 
 # TensorFlow's C++ start-up chatter hides the progress lines.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -50,6 +50,17 @@ bench-input: venv
 	  --config.benchmark.mode=input --config.data.dataset=tfrecord --config.data.data_dir=runs/photo_shards \
 	  --config.benchmark.image_dir=runs/photos --config.data.global_batch_size=128 \
 	  --config.benchmark.num_batches=40 --config.benchmark.num_warmup_batches=5
+
+# tfscale's training step vs Keras model.fit, same model (CIFAR ResNet-20), data and batch, one process.
+bench-fit: venv
+	$(PY) -m tfscale.benchmark --config=configs/cifar_resnet20.py --workdir=runs/bench_fit \
+	  --config.benchmark.mode=train --config.benchmark.compare_keras_fit=True --config.data.dataset=synthetic_learnable \
+	  --config.benchmark.num_batches=40 --config.benchmark.num_warmup_batches=5 --config.benchmark.rounds=5
+
+# Conversion tool with every core vs one process, on the same real-photo JPEG tree.
+bench-convert: venv
+	test -d runs/photos || $(PY) tools/make_photo_tree.py runs/photos --classes 10 --per_class 200
+	$(PY) tools/bench_convert.py --input_dir=runs/photos --num_shards=16 --rounds=3 --output=runs/bench_convert.json
 
 # Benchmark at 1 vs 2 local workers (1 thread each), MWMS and Horovod interleaved in one run: weak-scaling
 # table + plot in runs/sweep/report.{md,png}.

@@ -1,13 +1,18 @@
-"""The input benchmark runs its three pipelines and reports what it prints."""
+"""The benchmark in its three modes, on one and two workers: what it prints is what it saves."""
 
+import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, load_config, run_cli
 
+from tfscale import benchmark
+from tfscale import config as tfs_config
 from tfscale.data import convert
 
 
@@ -54,3 +59,113 @@ def test_input_benchmark_needs_shards(tmp_path):
                      "--config.benchmark.mode=input")
     assert result.returncode != 0
     assert "dataset='tfrecord'" in result.stderr
+
+
+# --- train / synthetic modes ----------------------------------------------------------------------
+
+# One display line: step, per-worker rate, standard error, jitter, loss.
+STEP_LINE = re.compile(r"^(?:\[rank 0\] )?(\d+)\timages/sec: ([\d.]+) \+/- ([\d.]+) \(jitter = ([\d.]+)\)\t([-\d.na]+)$")
+SMALL_RUN = ("--config=configs/smoke.py", "--config.benchmark.num_batches=12", "--config.benchmark.num_warmup_batches=3",
+             "--config.benchmark.display_every=5", "--config.benchmark.breakdown_batches=3")
+
+
+def test_speed_stats_follow_tf_cnn_benchmarks():
+    # 32 images per step; steps of 0.1, 0.2, 0.1, 0.1 s -> rates 320, 160, 320, 320
+    stats = benchmark.speed_stats([0.1, 0.2, 0.1, 0.1], 32)
+    assert stats["images_per_sec"] == pytest.approx(32 / 0.125)  # batch / mean time, not mean of rates
+    assert stats["stderr"] == pytest.approx(np.std([320, 160, 320, 320]) / 2)
+    assert stats["jitter"] == 0.0  # 1.4826 x median |rate - 320| = 0: one outlier does not move it
+    assert benchmark.speed_text(stats) == "images/sec: 256.0 +/- 34.6 (jitter = 0.0)"
+
+
+def check_report_against_output(stdout: str, report: dict) -> None:
+    """Every printed figure is what benchmark.json's own step times give."""
+    warmup, per_worker_batch = report["num_warmup_batches"], report["per_worker_batch_size"]
+    step_s = [(i + c) / 1000 for i, c in zip(report["steps_ms"]["input_wait"], report["steps_ms"]["compute"])]
+    assert len(step_s) == warmup + report["num_batches"]
+    lines = [m.groups() for m in map(STEP_LINE.match, stdout.splitlines()) if m]
+    assert [int(g[0]) for g in lines] == [1, 5, 10, 12]  # the first, every display_every, the last
+    for step, rate, stderr, jitter, loss in lines:
+        expected = benchmark.speed_stats(step_s[warmup:warmup + int(step)], per_worker_batch)
+        assert f"{expected['images_per_sec']:.1f}" == rate
+        assert f"{expected['stderr']:.1f}" == stderr and f"{expected['jitter']:.1f}" == jitter
+        assert f"{report['losses'][warmup + int(step) - 1]:.3f}" == loss
+    last = stdout.strip().splitlines()[-1]
+    assert last.split("total images/sec: ")[1] == f"{report['total_images_per_sec']:.2f}"
+    assert report["total_images_per_sec"] == pytest.approx(sum(w["images_per_sec"] for w in report["per_worker"]), abs=0.02)
+    assert [w["rank"] for w in report["per_worker"]] == list(range(report["num_workers"]))
+    # the chief's own rate is its entry, and the figure with warm-up is lower (the first step traces)
+    assert report["per_worker"][0]["images_per_sec"] == pytest.approx(report["chief"]["images_per_sec"], abs=0.01)
+    assert report["total_images_per_sec_incl_warmup"] < report["total_images_per_sec"]
+    breakdown = report["breakdown_ms"]
+    assert breakdown["compute"] > 0 and breakdown["forward_backward"] > 0 and breakdown["gradient_allreduce"] >= 0
+    assert breakdown["update_and_other"] == pytest.approx(
+        breakdown["compute"] - breakdown["forward_backward"] - breakdown["gradient_allreduce"], abs=0.002)
+    assert report["versions"]["tensorflow"] and report["host"]["cpu_count"] >= 1 and report["config"]["seed"] == 0
+
+
+def read_report(workdir) -> dict:
+    with open(os.path.join(workdir, "benchmark.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.slow
+def test_synthetic_mode_one_process_with_profiler_trace(tmp_path):
+    result = run_cli("tfscale.benchmark", *SMALL_RUN, f"--workdir={tmp_path}", "--config.benchmark.mode=synthetic",
+                     "--config.profile_steps=5,6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = read_report(tmp_path)
+    check_report_against_output(result.stdout, report)
+    assert report["mode"] == "synthetic" and report["num_workers"] == 1 and report["config"]["data"]["dataset"] == "synthetic"
+    # the device-resident batch: no step waits on an input pipeline
+    assert max(report["steps_ms"]["input_wait"]) < 5
+    traces = glob.glob(os.path.join(tmp_path, "tensorboard", "plugins", "profile", "*", "*.xplane.pb"))
+    assert len(traces) == 1 and os.path.getsize(traces[0]) > 1000, "profile_steps=5,6 must leave one trace for TensorBoard"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, mode", [("mwms", "train"), ("horovod", "synthetic")])
+def test_two_workers_chief_reports_both(backend, mode, tmp_path):
+    if backend == "horovod":
+        pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
+    distribute_backend = {"mwms": "multi_worker", "horovod": "horovod"}[backend]
+    result = run_cli("tfscale.launch", "--num_workers=2", f"--backend={backend}", "--", "-m", "tfscale.benchmark",
+                     *SMALL_RUN, f"--workdir={tmp_path}", f"--config.benchmark.mode={mode}",
+                     f"--config.distribute.backend={distribute_backend}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = read_report(tmp_path)
+    check_report_against_output(result.stdout, report)
+    assert report["num_workers"] == 2 and report["per_worker_batch_size"] == 16 and report["backend"] == distribute_backend
+    assert all(w["images_per_sec"] > 0 for w in report["per_worker"])
+    assert "[rank 1] Step" not in result.stdout  # only the chief prints the figures
+    if backend == "horovod":
+        assert report["versions"]["horovod"] == "0.28.1"
+    if mode == "train":  # real input: learnable synthetic examples made on the host every step
+        assert report["config"]["data"]["dataset"] == "synthetic_learnable"
+
+
+@pytest.mark.slow
+def test_train_loop_vs_keras_fit_comparison(tmp_path):
+    result = run_cli("tfscale.benchmark", *SMALL_RUN, f"--workdir={tmp_path}", "--config.benchmark.mode=train",
+                     "--config.benchmark.compare_keras_fit=True", "--config.benchmark.rounds=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    comparison = read_report(tmp_path)["keras_fit_comparison"]
+    ours, keras_fit = comparison["tfscale_loop_images_per_sec"], comparison["keras_fit_images_per_sec"]
+    assert len(comparison["rounds"]["keras_fit"]) == 2 and ours > 0 and keras_fit > 0
+    assert comparison["tfscale_vs_keras_fit"] == pytest.approx(ours / keras_fit, abs=0.001)
+    assert f"tfscale = {comparison['tfscale_vs_keras_fit']:.3f}x model.fit" in result.stdout
+
+
+def test_keras_fit_comparison_refuses_several_workers(tmp_path):
+    result = run_cli("tfscale.benchmark", *SMALL_RUN, f"--workdir={tmp_path}", "--config.benchmark.compare_keras_fit=True",
+                     "--config.distribute.backend=mirrored", "--config.distribute.num_cpu_devices=2")
+    assert result.returncode != 0
+    assert "compare_keras_fit=True compares one process on one device" in result.stderr
+    assert not os.path.exists(os.path.join(tmp_path, "benchmark.json"))
+
+
+@pytest.mark.parametrize("window", ["5", "6,5", "0,3", "a,b", "1,2,3"])
+def test_profile_window_rejects_malformed(window):
+    cfg = load_config("smoke", f"--config.profile_steps={window}")
+    with pytest.raises(ValueError, match="config.profile_steps"):
+        tfs_config.validate(cfg)

@@ -162,6 +162,8 @@ def _keras_fit_model(cfg: ml_collections.ConfigDict) -> keras.Model:
     weight_decay = optim.loss_weight_decay(cfg.optim)
 
     def loss(labels, logits):
+        # Keras hands class ids over as floats; soft MixUp/CutMix targets come as [batch, classes].
+        labels = labels if labels.shape.rank == 2 else tf.cast(labels, tf.int32)
         per_example = train.cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
         return tf.reduce_mean(per_example) + (optim.l2_loss(model.trainable_variables, weight_decay) if weight_decay else 0.0)
 
