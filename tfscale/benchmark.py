@@ -309,8 +309,8 @@ def write_report(workdir: str, report: dict, cfg: ml_collections.ConfigDict) -> 
 
 def run_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs `cfg.benchmark.mode`; the chief prints the report and writes workdir/benchmark.json."""
-    tfs_config.validate(cfg)  # config mistakes fail before any cluster is waited for
     cfg = _benchmark_config(cfg)
+    tfs_config.validate(cfg)  # config mistakes fail before any cluster is waited for
     if cfg.benchmark.mode == "input":
         if cfg.data.dataset != "tfrecord":
             raise ValueError("config.benchmark.mode='input' needs config.data.dataset='tfrecord' and data_dir")
