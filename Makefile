@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(TF_EXTRA)
 
 HOROVOD_STAMP := $(VENV)/.installed-horovod
 
-.PHONY: venv horovod demo test test-fast test-slow bench-input bench-fit bench-convert bench-scaling clean
+.PHONY: venv horovod slurm demo test test-fast test-slow bench-input bench-fit bench-convert bench-scaling clean
 
 # TensorFlow's C++ start-up chatter hides the progress lines.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -29,16 +29,21 @@ $(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh
 	PYTHON=$(PY) tools/install_horovod.sh
 	touch $@
 
+# Debian's Slurm + munge for tests/test_slurm.py (apt-get install only; the tests start private daemons).
+# Not root / no apt-get: says so and goes on; those tests are then reported as skipped with the reason.
+slurm:
+	tools/slurm_testbed.sh install || echo "make slurm: Slurm not installed; tests/test_slurm.py will be skipped"
+
 demo: venv
 	$(PY) tools/digits_demo.py --workdir=runs/demo
 
-test: venv horovod
+test: venv horovod slurm
 	$(PY) -m pytest -q
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
-test-slow: venv horovod
+test-slow: venv horovod slurm
 	$(PY) -m pytest -q -m slow
 
 # Input pipeline vs decode-only ceiling vs Keras image_dataset_from_directory, on real-photo JPEGs.

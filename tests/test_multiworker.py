@@ -5,6 +5,7 @@ Slurm host lists and rank resolution are unit-tested at the bottom without proce
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -228,9 +229,28 @@ def test_wrong_peer_address_fails_preflight_naming_it(tmp_path):
     ("gpu[01-04,07]", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]),
     ("a[1-2],b3,c[08-10]", ["a1", "a2", "b3", "c08", "c09", "c10"]),
     ("nid[001-002]-ib", ["nid001-ib", "nid002-ib"]),
+    # Forms checked against Slurm 22.05's `scontrol show hostnames` (tests/test_slurm.py compares more).
+    ("node[001-003]", ["node001", "node002", "node003"]),
+    ("a[9-11]", ["a9", "a10", "a11"]),
+    ("n[01-3]", ["n01", "n02", "n03"]),  # the first number's padding applies to the whole range
+    ("n[1,02]", ["n1", "n02"]),
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("r[1-2]n[3,5],login", ["r1n3", "r1n5", "r2n3", "r2n5", "login"]),
 ])
 def test_expand_hostlist(hostlist, expected):
     assert distribute.expand_hostlist(hostlist) == expected
+
+
+@pytest.mark.parametrize("hostlist, message", [
+    ("n[2-1]", "'2-1' is not a range"),
+    ("n[]", "'' is not a range"),
+    ("n[a-b]", "'a-b' is not a range"),
+    ("n[1-2", "'[' without ']'"),
+    ("n[1-[2]]", "nested"),
+])
+def test_expand_hostlist_rejects_malformed_lists_naming_them(hostlist, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        distribute.expand_hostlist(hostlist)
 
 
 def test_expand_tasks_per_node():

@@ -177,19 +177,55 @@ class Cluster:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Slurm's compressed host list -> host names: 'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1."""
+    """Slurm's compressed host list -> host names, in Slurm's order (what `scontrol show hostnames` prints).
+
+    'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1; several bracket groups multiply, the
+    first varying slowest: 'rack[1-2]-n[01-02]' -> rack1-n01 rack1-n02 rack2-n01 rack2-n02. Slurm
+    (hostlist.c) rejects text after the last group ('nid[1-2]-ib'); it is accepted here as a suffix.
+    """
     hosts = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", hostlist):
-        prefix, ranges, suffix = match.groups()
-        if not ranges:
-            hosts.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            first, _, last = part.partition("-")
-            width = len(first)  # zero padding is part of the name: [01-03] -> 01, 02, 03
-            for number in range(int(first), int(last or first) + 1):
-                hosts.append(f"{prefix}{number:0{width}d}{suffix}")
+    for pattern in _split_outside_brackets(hostlist, hostlist):
+        hosts += _expand_host_pattern(pattern, hostlist)
     return hosts
+
+
+def _split_outside_brackets(text: str, hostlist: str) -> list[str]:
+    """Splits at commas/whitespace that are not inside [...]: 'a[1,3],b' -> 'a[1,3]', 'b'."""
+    parts, current, depth = [], "", 0
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"host list {hostlist!r}: unbalanced or nested brackets")
+        if depth == 0 and (char == "," or char.isspace()):
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    if depth:
+        raise ValueError(f"host list {hostlist!r}: '[' without ']'")
+    return [p for p in parts + [current] if p]
+
+
+def _expand_host_pattern(pattern: str, hostlist: str) -> list[str]:
+    """One comma-free pattern, e.g. 'rack[1-2]-n[01,03]', expanded group by group (first group outermost)."""
+    match = re.search(r"\[([^\[\]]*)\]", pattern)
+    if match is None:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end():]
+    rests = _expand_host_pattern(tail, hostlist)
+    return [f"{head}{number}{rest}" for number in _expand_ranges(match.group(1), hostlist) for rest in rests]
+
+
+def _expand_ranges(ranges: str, hostlist: str) -> list[str]:
+    """'01-03,07' -> 01 02 03 07: each range keeps the zero padding of its first number, as Slurm does."""
+    numbers = []
+    for part in ranges.split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or not (last or first).isdigit() or int(last or first) < int(first):
+            raise ValueError(f"host list {hostlist!r}: {part!r} is not a range like 3 or 01-04")
+        width = len(first)  # zero padding is part of the name: [01-03] -> 01, 02, 03
+        numbers += [f"{n:0{width}d}" for n in range(int(first), int(last or first) + 1)]
+    return numbers
 
 
 def expand_tasks_per_node(tasks_per_node: str) -> list[int]:

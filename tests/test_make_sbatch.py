@@ -1,0 +1,175 @@
+"""tools/make_sbatch.py and the slurm/ templates, without Slurm: #SBATCH lines, EDIT HERE values, bash
+syntax, shellcheck, and the batch-size split check. Real submissions are in tests/test_slurm.py."""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+from conftest import REPO
+
+SPEC = importlib.util.spec_from_file_location("make_sbatch", os.path.join(REPO, "tools", "make_sbatch.py"))
+make_sbatch = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(make_sbatch)
+
+TEMPLATES = sorted(make_sbatch.TEMPLATES.values())
+R50_32GPU = os.path.join(REPO, "configs", "r50_32gpu.py")
+
+
+def generate(tmp_path, *args, name="job.sbatch"):
+    """Runs the tool's main as the CLI would; returns the script text."""
+    path = tmp_path / name
+    code = make_sbatch.main([f"--output={path}", *args])
+    assert code == 0
+    return path.read_text()
+
+
+def sbatch_lines(text):
+    return [line for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+def edit_block_values(script_path, *names):
+    """Runs the script's EDIT HERE block in bash (HOME and TMPDIR fixed) and returns the variables' values."""
+    text = open(script_path).read()
+    block = text[text.index("# ===") : text.index("set -euo pipefail")]
+    printer = "\n".join(f'printf "%s\\0" "{name}=${{{name}[*]}}"' for name in names)
+    result = subprocess.run(["bash", "-c", block + printer], capture_output=True, text=True, check=True,
+                            env={"HOME": "/home/u", "TMPDIR": "/local/tmp", "PATH": os.environ["PATH"]})
+    return dict(item.split("=", 1) for item in result.stdout.split("\0") if item)
+
+
+def assert_shellcheck_clean(path):
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (Debian: apt-get install shellcheck)")
+    result = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=os.path.basename)
+def test_templates_are_valid_bash_and_shellcheck_clean(template):
+    assert subprocess.run(["bash", "-n", template]).returncode == 0
+    assert_shellcheck_clean(template)
+
+
+def test_templates_share_one_common_block():
+    """The SIGTERM/requeue/staging code is duplicated so each script stands alone; it must not drift."""
+    blocks = []
+    for template in TEMPLATES:
+        text = open(template).read()
+        blocks.append(text[text.index("# --- common:") : text.index("# --- end common")])
+    assert blocks[0] == blocks[1]
+    for needle in ("trap on_term TERM", "scontrol requeue", "SLURM_RESTART_COUNT", "tools/stage_data.py"):
+        assert needle in blocks[0]
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=os.path.basename)
+def test_templates_have_preemption_header(template):
+    lines = sbatch_lines(open(template).read())
+    assert "#SBATCH --requeue" in lines
+    assert any(re.fullmatch(r"#SBATCH --signal=B:TERM@\d+", line) for line in lines)
+    assert any(line.startswith("#SBATCH --output=") and "%j" in line for line in lines)
+
+
+def test_one_node_four_gpus(tmp_path):
+    text = generate(tmp_path, f"--config={R50_32GPU}", "--nodes=1", "--gpus_per_node=4", "--backend=mwms")
+    lines = sbatch_lines(text)
+    for expected in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                     "#SBATCH --cpus-per-task=8", "#SBATCH --requeue", "#SBATCH --signal=B:TERM@300"):
+        assert expected in lines
+    # No partition/account given: the placeholders stay commented out (sbatch ignores ##SBATCH).
+    assert not any("--partition" in line or "--account" in line for line in lines)
+    assert "##SBATCH --partition=PARTITION" in text
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    assert_shellcheck_clean(tmp_path / "job.sbatch")
+
+
+def test_eight_nodes_four_gpus_for_the_32_gpu_recipe(tmp_path, capsys):
+    text = generate(tmp_path, f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=horovod",
+                    "--partition=gpu", "--account=proj42", "--time=12:00:00", "--signal_lead_s=600",
+                    "--workdir=/shared/runs/r50", "--data_dir=/shared/imagenet", "--stage_dir=$TMPDIR/in net",
+                    "--config.optim.lr_per_256=0.1", "--config.train.epochs=90.5")
+    lines = sbatch_lines(text)
+    for expected in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                     "#SBATCH --partition=gpu", "#SBATCH --account=proj42", "#SBATCH --time=12:00:00",
+                     "#SBATCH --signal=B:TERM@600", "#SBATCH --job-name=tfscale-r50_32gpu-horovod"):
+        assert expected in lines
+    printed = capsys.readouterr().out
+    assert "8 nodes x 4 GPUs = 32 replicas, 128 images per replica per step (global batch 4096)" in printed
+    assert f"submit with: sbatch {tmp_path / 'job.sbatch'}" in printed
+    values = edit_block_values(tmp_path / "job.sbatch", "CONFIG", "CONFIG_OVERRIDES", "WORKDIR", "DATA_DIR",
+                               "STAGE_DIR", "LAUNCHER", "VENV")
+    assert values == {
+        "CONFIG": R50_32GPU, "CONFIG_OVERRIDES": "--config.optim.lr_per_256=0.1 --config.train.epochs=90.5",
+        "WORKDIR": "/shared/runs/r50", "DATA_DIR": "/shared/imagenet",
+        "STAGE_DIR": "/local/tmp/in net",  # $TMPDIR expands on the node; the space survives quoting
+        "LAUNCHER": "srun-pmix", "VENV": make_sbatch.sys.prefix,
+    }
+    assert_shellcheck_clean(tmp_path / "job.sbatch")
+
+
+def test_cpu_only_tasks_drop_gpu_lines(tmp_path):
+    text = generate(tmp_path, "--config=" + os.path.join(REPO, "configs", "smoke.py"), "--nodes=1",
+                    "--gpus_per_node=0", "--tasks_per_node=2", "--backend=mwms")
+    lines = sbatch_lines(text)
+    assert "#SBATCH --ntasks-per-node=2" in lines and "#SBATCH --cpus-per-task=1" in lines
+    assert not [line for line in lines if "gpu" in line.split("=")[0]]
+
+
+def test_gpus_per_task_request(tmp_path):
+    lines = sbatch_lines(generate(tmp_path, f"--config={R50_32GPU}", "--nodes=2", "--gpus_per_node=4",
+                                  "--backend=mwms", "--gpu_request=per_task"))
+    assert "#SBATCH --gpus-per-task=1" in lines
+    assert not any(line.startswith("#SBATCH --gpus-per-node") for line in lines)
+
+
+def test_values_with_quotes_and_dollars_are_quoted_for_bash(tmp_path):
+    generate(tmp_path, f"--config={R50_32GPU}", "--nodes=1", "--gpus_per_node=4", "--backend=mwms",
+             '--modules=cuda/12 "x" `y`', "--config.data.tfds_name=it's")
+    values = edit_block_values(tmp_path / "job.sbatch", "MODULES", "CONFIG_OVERRIDES")
+    assert values == {"MODULES": 'cuda/12 "x" `y`', "CONFIG_OVERRIDES": "--config.data.tfds_name=it's"}
+
+
+def test_split_that_does_not_divide_the_batch_fails_naming_key_and_value(tmp_path, capsys):
+    # 3 nodes x 4 GPUs = 12 replicas; 4096 = 12 * 341 + 4.
+    code = make_sbatch.main([f"--config={R50_32GPU}", "--nodes=3", "--gpus_per_node=4", "--backend=mwms",
+                             f"--output={tmp_path / 'job.sbatch'}"])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert ("3 nodes x 4 tasks = 12 replicas: config.data.global_batch_size=4096 cannot be split evenly over "
+            "12 replicas (nearest valid sizes: 4092 or 4104)") in error
+    assert not (tmp_path / "job.sbatch").exists()
+
+
+def test_override_is_validated_with_the_split(tmp_path, capsys):
+    code = make_sbatch.main([f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=mwms",
+                             "--config.data.global_batch_size=1000", f"--output={tmp_path / 'job.sbatch'}"])
+    assert code == 2
+    assert "config.data.global_batch_size=1000 cannot be split evenly over 32 replicas (nearest valid sizes: 992 or 1024)" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config.optim.lrr=1"], "lrr"),
+    (["--config.distribute.backend=horovod"], "the backend is chosen with --backend"),
+    (["--tasks_per_node=2"], "--tasks_per_node=2 with --gpus_per_node=4"),
+])
+def test_bad_requests_name_the_option(tmp_path, capsys, args, message):
+    code = make_sbatch.main([f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=mwms",
+                             f"--output={tmp_path / 'job.sbatch'}", *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_only_needs_tasks_per_node(tmp_path, capsys):
+    code = make_sbatch.main([f"--config={R50_32GPU}", "--nodes=1", "--gpus_per_node=0", "--backend=mwms",
+                             f"--output={tmp_path / 'job.sbatch'}"])
+    assert code == 2
+    assert "--gpus_per_node=0 (CPU-only) needs --tasks_per_node" in capsys.readouterr().err
+
+
+def test_template_drift_is_an_error():
+    with pytest.raises(make_sbatch.UsageError, match="no WORKDIR in its EDIT HERE block"):
+        make_sbatch.render_edit_block(["# ===== EDIT HERE =====", 'CONFIG=""', "# ====="],
+                                      {"CONFIG": '"x"', "WORKDIR": '"y"'})

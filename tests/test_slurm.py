@@ -1,0 +1,314 @@
+"""tfscale under a REAL Slurm (Debian's slurmctld/slurmd/munge, a private single-host cluster started by
+tools/slurm_testbed.sh): scripts from tools/make_sbatch.py submitted with sbatch, 2 CPU tasks per job.
+
+Covered: MWMS (TF_CONFIG derived from Slurm's environment by tfscale), Horovod over Gloo launched by
+horovodrun inside the job, preemption (SIGTERM to the batch shell as `--signal=B:TERM@T` delivers it ->
+forwarded to the tasks -> checkpoint, exit 75 -> `scontrol requeue` -> resumed run completes), and
+staging TFRecord shards to a node-local directory before training. Not coverable here: GPUs
+(--gpus-per-node lines are checked in test_make_sbatch.py only) and `srun --mpi=pmix` (this Horovod is
+built without MPI and Debian's Slurm plugin set is not exercised with PMIx).
+
+Without Slurm, or without root to install and run it, every test here is skipped with the reason.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO
+from PIL import Image
+
+from tfscale import distribute
+
+TESTBED = os.path.join(REPO, "tools", "slurm_testbed.sh")
+MAKE_SBATCH = os.path.join(REPO, "tools", "make_sbatch.py")
+JOB_TIMEOUT_S = 240  # one short job on 2 busy cores takes ~30-60 s; the requeued one ~2x that
+POLL_INTERVAL_S = 0.5
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                   "BOOT_FAIL", "DEADLINE"}
+# Short smoke runs: 20 steps of global batch 32 on 2 tasks x 1 CPU.
+SHORT = ["--config.train.epochs=1", "--config.train.log_every_steps=5"]
+
+
+# ------------------------------------------------------------------------------------------ testbed
+
+
+def slurm_unavailable_reason() -> str | None:
+    """Why a private Slurm cannot run here, or None; installs Debian's packages when root and missing."""
+    if os.geteuid() != 0:
+        return "the private Slurm testbed needs root (SlurmUser=root, munged as user munge, apt-get install)"
+    if all(shutil.which(b) for b in ("sbatch", "slurmctld", "slurmd", "munged")):
+        return None
+    if not shutil.which("apt-get"):
+        return "Slurm is not installed and there is no apt-get to install slurmctld slurmd slurm-client munge"
+    result = subprocess.run([TESTBED, "install"], capture_output=True, text=True, timeout=600)
+    if result.returncode:
+        return f"installing Slurm with apt-get failed: {result.stderr.strip()[-500:]}"
+    return None
+
+
+class Slurm:
+    """A running testbed: its environment (SLURM_CONF) and the sbatch/sacct/scancel calls the tests need."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.env = {**os.environ, "SLURM_CONF": os.path.join(root, "slurm.conf"), "TF_CPP_MIN_LOG_LEVEL": "2",
+                    "PYTHONUNBUFFERED": "1"}
+        self.env.pop("TF_CONFIG", None)  # jobs must take their cluster from Slurm
+
+    def run(self, *command, timeout_s=30) -> str:
+        result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        assert result.returncode == 0, f"{' '.join(command)}: {result.stderr}"
+        return result.stdout
+
+    def submit(self, script) -> int:
+        return int(self.run("sbatch", "--parsable", str(script)).strip().split(";")[0])
+
+    def runs(self, job_id: int) -> list[tuple[str, str]]:
+        """(state, exit code) of each finished run of the job, from the job-completion log (`sacct -c`)."""
+        out = self.run("sacct", "-c", "-j", str(job_id), "-n", "-P", "-o", "state,exitcode")
+        return [tuple(line.split("|")) for line in out.splitlines() if line.strip()]
+
+    def wait(self, job_id: int, timeout_s: float = JOB_TIMEOUT_S) -> list[tuple[str, str]]:
+        """Waits until the job (and any requeued rerun) has ended; returns all its runs.
+
+        Not `sbatch --wait`: it polls at doubling intervals up to 32 s (a 12 s job returned after 42 s
+        here), which would double these tests' time. Requeued runs are logged as PENDING.
+        """
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            runs = self.runs(job_id)
+            if runs and runs[-1][0] in TERMINAL_STATES:
+                return runs
+            time.sleep(POLL_INTERVAL_S)
+        self.run("scancel", str(job_id))
+        raise AssertionError(f"job {job_id} still not finished after {timeout_s:.0f} s (cancelled); runs: {runs}")
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = slurm_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    # Not pytest's tmp_path: munged (user munge) must traverse to its socket, and pytest's dirs are 0700.
+    root = tempfile.mkdtemp(prefix="tfscale-slurm-", dir="/tmp")
+    try:
+        started = subprocess.run([TESTBED, "start", root], capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, f"testbed did not start: {started.stderr}\n{logs(root)}"
+        yield Slurm(root)
+    finally:
+        subprocess.run([TESTBED, "stop", root], capture_output=True, text=True, timeout=120)
+
+
+def logs(root: str) -> str:
+    texts = []
+    for name in ("log/slurmctld.log", "log/slurmd.log", "munge/munged.log"):
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            texts.append(f"--- {name}\n" + open(path).read()[-2000:])
+    return "\n".join(texts)
+
+
+# --------------------------------------------------------------------------------------------- jobs
+
+
+def make_script(tmp_path, backend: str, *extra: str) -> str:
+    """tools/make_sbatch.py for 1 node x 2 CPU tasks, workdir tmp_path/run, job log tmp_path/job-<id>.out."""
+    script = tmp_path / "job.sbatch"
+    result = subprocess.run(
+        [sys.executable, MAKE_SBATCH, "--config=configs/smoke.py", "--nodes=1", "--gpus_per_node=0",
+         "--tasks_per_node=2", "--cpus_per_task=1", f"--backend={backend}", "--time=00:10:00",
+         f"--workdir={tmp_path / 'run'}", f"--output={script}", f"--job_output={tmp_path}/job-%j.out", *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"submit with: sbatch {script}" in result.stdout
+    return str(script)
+
+
+def job_log(tmp_path, job_id: int) -> str:
+    path = tmp_path / f"job-{job_id}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def summary(tmp_path) -> dict:
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+def logged_steps(tmp_path) -> list[int]:
+    path = tmp_path / "run" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [row["step"] for row in map(json.loads, path.read_text().splitlines()) if "loss" in row]
+
+
+def assert_completed_once(slurm, tmp_path, job_id: int) -> str:
+    runs = slurm.wait(job_id)
+    text = job_log(tmp_path, job_id)
+    assert runs == [("COMPLETED", "0:0")], f"runs {runs}\n{text[-4000:]}"
+    return text
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+
+def test_expand_hostlist_matches_scontrol():
+    """tfscale's host-list expansion against Slurm's own (`scontrol show hostnames` needs only a config file)."""
+    if shutil.which("scontrol") is None:
+        pytest.skip("scontrol is not installed (Debian: slurm-client)")
+    forms = ["gpu[01-04,07]", "node[001-003]", "a[9-11],b[098-101]", "n[01-3],m[1,02]", "rack[1-2]-n[01-02]",
+             "r[1-2]n[3,5],login", "x[1-2],y,z[7]"]
+    with tempfile.TemporaryDirectory() as conf_dir:
+        conf = os.path.join(conf_dir, "slurm.conf")
+        with open(conf, "w") as f:
+            f.write("ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=ALL\n")
+        for form in forms:
+            result = subprocess.run(["scontrol", "show", "hostnames", form], capture_output=True, text=True,
+                                    env={**os.environ, "SLURM_CONF": conf}, timeout=30)
+            assert result.returncode == 0, result.stderr
+            assert distribute.expand_hostlist(form) == result.stdout.split(), form
+
+
+@pytest.mark.slow
+def test_mwms_job_two_tasks(slurm, tmp_path):
+    job_id = slurm.submit(make_script(tmp_path, "mwms", *SHORT))
+    text = assert_completed_once(slurm, tmp_path, job_id)
+    result = summary(tmp_path)
+    assert result["steps"] == 20 and result["num_workers"] == 2 and result["num_replicas"] == 2
+    assert logged_steps(tmp_path) == [5, 10, 15, 20]
+    assert "SLURM_RESTART_COUNT=0" in text and "nothing to stage" in text
+    # The cluster came from Slurm's variables: ports = 20000 + job id % 20000 (distribute.port_base=0).
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    port = 20000 + job_id % 20000
+    assert f"cluster_spec = {{'worker': ['{host}:{port}', '{host}:{port + 1}']}}" in text
+    assert "rank=0/2" in text and "rank=1/2" in text and "backend=multi_worker" in text
+
+
+@pytest.mark.slow
+def test_horovod_gloo_job_two_ranks(slurm, tmp_path):
+    pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
+    script = make_script(tmp_path, "horovod", "--launcher=horovodrun-gloo", "--gloo_iface=lo", *SHORT)
+    job_id = slurm.submit(script)
+    text = assert_completed_once(slurm, tmp_path, job_id)
+    result = summary(tmp_path)
+    assert result["steps"] == 20 and result["num_workers"] == 2
+    assert "backend=horovod" in text and "rank=1/2" in text
+    assert "horovodrun --gloo -np 2 -H " in text  # the host list built from scontrol show hostnames
+
+
+def wait_for_step(slurm, tmp_path, job_id: int, step: int, timeout_s: float = JOB_TIMEOUT_S) -> None:
+    deadline = time.time() + timeout_s
+    while not any(s >= step for s in logged_steps(tmp_path)):
+        runs = slurm.runs(job_id)
+        assert not runs, f"job ended before step {step}: {runs}\n{job_log(tmp_path, job_id)[-3000:]}"
+        assert time.time() < deadline, f"no step {step} after {timeout_s} s\n{job_log(tmp_path, job_id)[-3000:]}"
+        time.sleep(POLL_INTERVAL_S)
+
+
+def assert_preempted_then_resumed(slurm, tmp_path, job_id: int, total_steps: int) -> int:
+    """SIGTERM to the batch shell only (what `#SBATCH --signal=B:TERM@T` does before the time limit);
+    checks the requeue and the resume; returns the step the first run stopped at."""
+    wait_for_step(slurm, tmp_path, job_id, 20)
+    slurm.run("scancel", "--batch", "--signal=TERM", str(job_id))
+    runs = slurm.wait(job_id)
+    text = job_log(tmp_path, job_id)
+    # The first run ends requeued (logged as PENDING); the rerun completes.
+    assert [state for state, _ in runs] == ["PENDING", "COMPLETED"] and runs[-1][1] == "0:0", f"{runs}\n{text[-5000:]}"
+    assert "SLURM_RESTART_COUNT=0" in text and "SLURM_RESTART_COUNT=1" in text
+    assert f"requeueing job {job_id} (restart 1)" in text
+    resumed = re.findall(r"resumed from \S+/ckpt-(\d+) at step (\d+)", text)
+    assert len(resumed) == 1 and resumed[0][0] == resumed[0][1], text[-5000:]
+    stopped_at = int(resumed[0][1])
+    assert 20 <= stopped_at < total_steps
+    assert f"checkpoint saved at step {stopped_at}" in text
+    steps = logged_steps(tmp_path)
+    assert steps == sorted(set(steps)) and steps[-1] == total_steps  # resumed, nothing logged twice
+    assert summary(tmp_path)["steps"] == total_steps
+    return stopped_at
+
+
+@pytest.mark.slow
+def test_sigterm_before_time_limit_requeues_and_resumes(slurm, tmp_path):
+    # 200 steps: long enough to be interrupted mid-run.
+    script = make_script(tmp_path, "mwms", "--config.train.epochs=10", "--config.train.log_every_steps=5")
+    job_id = slurm.submit(script)
+    assert_preempted_then_resumed(slurm, tmp_path, job_id, total_steps=200)
+    text = job_log(tmp_path, job_id)
+    assert "training step exited with 75" in text  # srun passed on the tasks' "checkpoint saved" code
+
+
+@pytest.mark.slow
+def test_horovodrun_sigterm_requeues_and_resumes(slurm, tmp_path):
+    """horovodrun reports 1, not the ranks' 75, after passing SIGTERM on: the script requeues anyway."""
+    pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
+    script = make_script(tmp_path, "horovod", "--launcher=horovodrun-gloo", "--gloo_iface=lo",
+                         "--config.train.epochs=10", "--config.train.log_every_steps=5")
+    job_id = slurm.submit(script)
+    assert_preempted_then_resumed(slurm, tmp_path, job_id, total_steps=200)
+
+
+# ---------------------------------------------------------------------------------------- staging
+
+CLASSES = ("circle", "square")
+TRAIN_PER_CLASS, EVAL_PER_CLASS = 16, 8
+
+
+def write_image_tree(root, per_class: int, seed: int) -> None:
+    """root/<class>/*.jpg: 32x32 JPEGs, a bright or dark square per class (learnable, tiny)."""
+    rng = np.random.default_rng(seed)
+    for label, name in enumerate(CLASSES):
+        os.makedirs(os.path.join(root, name))
+        for i in range(per_class):
+            pixels = rng.integers(0, 60, (32, 32, 3), dtype=np.uint8)
+            pixels[8:24, 8:24] += np.uint8(150 * label + 40)
+            Image.fromarray(pixels, "RGB").save(os.path.join(root, name, f"{i:02d}.jpg"), "JPEG", quality=90)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Shards written by tfscale's converter: train in 2 shards, validation in 1, with manifests."""
+    from tfscale.data import convert
+
+    root = tmp_path_factory.mktemp("slurm_data")
+    write_image_tree(str(root / "train_images"), TRAIN_PER_CLASS, seed=1)
+    write_image_tree(str(root / "eval_images"), EVAL_PER_CLASS, seed=2)
+    out = str(root / "shards")
+    convert.convert(str(root / "train_images"), out, "train", 2, num_workers=1)
+    convert.convert(str(root / "eval_images"), out, "validation", 1, num_workers=1)
+    return out
+
+
+def sha256(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.slow
+def test_staging_step_copies_shards_and_training_reads_the_copy(slurm, tmp_path, shards):
+    stage_dir = str(tmp_path / "node_local")
+    script = make_script(
+        tmp_path, "mwms", f"--data_dir={shards}", f"--stage_dir={stage_dir}",
+        "--config.data.dataset=tfrecord", "--config.data.num_classes=2", "--config.data.augment=none",
+        f"--config.data.num_train_examples={2 * TRAIN_PER_CLASS}", f"--config.data.num_eval_examples={2 * EVAL_PER_CLASS}",
+        "--config.data.global_batch_size=8", "--config.train.epochs=1", "--config.train.log_every_steps=2",
+    )
+    job_id = slurm.submit(script)
+    text = assert_completed_once(slurm, tmp_path, job_id)
+    names = ["train-00000-of-00002", "train-00001-of-00002", "validation-00000-of-00001"]
+    for name in names + ["train-manifest.json", "validation-manifest.json"]:
+        assert sha256(os.path.join(stage_dir, name)) == sha256(os.path.join(shards, name)), name
+    assert re.search(rf"staged {re.escape(shards)} -> {re.escape(stage_dir)}: copied 3 files", text), text[-3000:]
+    # Training was pointed at the staged copy (not the shared one) and read all of it.
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data"]["data_dir"] == stage_dir
+    eval_rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "eval_top1" in r]
+    assert eval_rows[-1]["eval_examples"] == 2 * EVAL_PER_CLASS
+    assert summary(tmp_path)["steps"] == 4 and summary(tmp_path)["num_workers"] == 2

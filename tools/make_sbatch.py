@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+r"""Write a ready-to-submit Slurm batch script for a tfscale run from slurm/{mwms,horovod}.sbatch.
+
+    python tools/make_sbatch.py --config=configs/r50_32gpu.py --nodes=8 --gpus_per_node=4 --backend=mwms \
+        --partition=gpu --account=myproject --time=24:00:00 --workdir=/shared/runs/r50 \
+        [--data_dir=/shared/imagenet/tfrecords] [--stage_dir='$TMPDIR/imagenet'] \
+        [--output=r50_32gpu.sbatch] [--config.optim.lr_per_256=0.1 ...]
+    sbatch r50_32gpu.sbatch
+
+One task per GPU: nodes x gpus_per_node replicas, which must divide the config's global batch (the
+check is tfscale.config.validate's, so a bad split fails here, naming the nearest valid batch sizes,
+instead of minutes into a queued job). CPU-only nodes: --gpus_per_node=0 --tasks_per_node=T.
+`--config.x.y=v` overrides are validated with the config and passed on to every task unchanged.
+`--backend=horovod` adds `--launcher=srun-pmix` (MPI builds, default) or `horovodrun-gloo`.
+
+The script is the template with its #SBATCH lines and its EDIT HERE block filled in; everything else
+(staging, NCCL/Horovod presets, SIGTERM forwarding, requeue) is the template's, documented there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # runs from a checkout too, without `pip install -e .`
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # validation imports TensorFlow; keep its chatter out
+
+TEMPLATES = {"mwms": os.path.join(REPO, "slurm", "mwms.sbatch"),
+             "horovod": os.path.join(REPO, "slurm", "horovod.sbatch")}
+TRAIN_BACKEND = {"mwms": "multi_worker", "horovod": "horovod"}  # config.distribute.backend of the tasks
+LAUNCHERS = ("srun-pmix", "horovodrun-gloo")
+DEFAULT_GPU_CPUS_PER_TASK = 8  # input pipeline threads per GPU: JPEG decoding needs several cores
+_SBATCH_LINE = re.compile(r"^#{1,2}SBATCH\s+--([\w-]+)(?:=(.*))?$")
+_EDIT_BEGIN, _EDIT_END = "# =====", "# ====="  # the EDIT HERE block sits between two such rulers
+
+
+class UsageError(ValueError):
+    """The requested job cannot be written; the message says which option or key and why."""
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """make_sbatch's own options, and the `--config.x.y=v` overrides (in order)."""
+    overrides = [a for a in argv if a.startswith("--config.")]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="config file, e.g. configs/r50_32gpu.py")
+    parser.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    parser.add_argument("--gpus_per_node", type=int, required=True, help="GPUs per node (one task each); 0: CPU-only")
+    parser.add_argument("--tasks_per_node", type=int, help="tasks per node; default: gpus_per_node (needed with 0 GPUs)")
+    parser.add_argument("--backend", choices=sorted(TEMPLATES), required=True, help="mwms (tf.distribute) or horovod")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="srun-pmix", help="horovod: how ranks start")
+    parser.add_argument("--gpu_request", choices=("per_node", "per_task"), default="per_node",
+                        help="--gpus-per-node=G (tasks see the node's GPUs; NCCL P2P works) or --gpus-per-task=1")
+    parser.add_argument("--cpus_per_task", type=int, help=f"default: {DEFAULT_GPU_CPUS_PER_TASK} with GPUs, 1 without")
+    parser.add_argument("--time", default="24:00:00", help="time limit per run (a requeued job gets it again)")
+    parser.add_argument("--partition", help="Slurm partition; default: leave the placeholder commented out")
+    parser.add_argument("--account", help="Slurm account; default: leave the placeholder commented out")
+    parser.add_argument("--job_name", help="default: tfscale-<config name>-<backend>")
+    parser.add_argument("--job_output", default="tfscale-%x-%j.out", help="#SBATCH --output (the job's log)")
+    parser.add_argument("--signal_lead_s", type=int, default=300,
+                        help="SIGTERM this many seconds before the time limit: enough to finish a step and checkpoint")
+    parser.add_argument("--workdir", help="run directory on a shared file system; default: <tfscale_dir>/runs/<config name>")
+    parser.add_argument("--data_dir", default="", help="TFRecord shards on the shared file system; '' keeps the config's")
+    parser.add_argument("--stage_dir", default="${TMPDIR:-/tmp}/tfscale_data",
+                        help="node-local staging directory (expanded on the node); '' reads data_dir in place")
+    parser.add_argument("--modules", default="", help="environment modules to load, e.g. 'cuda/12.4 nccl/2.21'")
+    parser.add_argument("--gloo_iface", default="", help="horovodrun-gloo: network interface (e.g. ib0)")
+    parser.add_argument("--tfscale_dir", default=REPO, help="tfscale checkout on the cluster; default: this one")
+    parser.add_argument("--venv", default=sys.prefix, help="Python environment on the cluster; default: this one")
+    parser.add_argument("--output", help="script to write; default: tfscale-<config name>-<backend>-<N>x<T>.sbatch")
+    args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
+    return args, overrides
+
+
+def load_config(path: str, overrides: list[str]):
+    """The config file with `--config.x=y` overrides, parsed exactly as `tfscale.train` parses them."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["make_sbatch", f"--config={path}", *overrides]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True, sys_argv=argv)
+    try:
+        flag_values(argv)
+    except (AttributeError, KeyError, flags.Error) as err:  # unknown key, bad value, unreadable file
+        raise UsageError(f"cannot load {path} with {' '.join(overrides) or 'no overrides'}: {err}") from err
+    return flag_values.config
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+
+def tasks_per_node(args: argparse.Namespace) -> int:
+    """One task per GPU; on CPU-only nodes the number asked for."""
+    if args.nodes < 1:
+        raise UsageError(f"--nodes={args.nodes} must be >= 1")
+    if args.gpus_per_node < 0:
+        raise UsageError(f"--gpus_per_node={args.gpus_per_node} must be >= 0")
+    if args.gpus_per_node == 0:
+        if not args.tasks_per_node or args.tasks_per_node < 1:
+            raise UsageError("--gpus_per_node=0 (CPU-only) needs --tasks_per_node >= 1")
+        return args.tasks_per_node
+    if args.tasks_per_node not in (None, args.gpus_per_node):
+        raise UsageError(f"--tasks_per_node={args.tasks_per_node} with --gpus_per_node={args.gpus_per_node}: "
+                         "tfscale runs one task per GPU, so they must be equal")
+    return args.gpus_per_node
+
+
+def validation_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """The overrides the tasks will run with: the user's, plus the backend and data dir the script sets."""
+    for override in overrides:
+        if override.startswith("--config.distribute.backend="):
+            raise UsageError(f"{override}: the backend is chosen with --backend (mwms or horovod)")
+    extra = [f"--config.distribute.backend={TRAIN_BACKEND[args.backend]}"]
+    if args.data_dir:
+        extra.append(f"--config.data.data_dir={os.path.abspath(args.data_dir)}")
+    return [*overrides, *extra]
+
+
+def check_config(cfg, nodes: int, tasks: int) -> None:
+    """tfscale.config.validate for the job's replica count (one replica per task)."""
+    from tfscale import config as tfs_config
+
+    replicas = nodes * tasks
+    try:
+        tfs_config.validate(cfg, num_replicas=replicas)
+    except ValueError as err:
+        raise UsageError(f"{nodes} nodes x {tasks} tasks = {replicas} replicas: {err}") from err
+
+
+# ---------------------------------------------------------------------------------------- content
+
+
+def config_name(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def sbatch_options(args: argparse.Namespace, tasks: int) -> dict[str, str | None]:
+    """#SBATCH option -> value ("" for a bare flag, None to delete the template's line)."""
+    gpus = args.gpus_per_node
+    cpus = args.cpus_per_task or (DEFAULT_GPU_CPUS_PER_TASK if gpus else 1)
+    options = {
+        "job-name": args.job_name or f"tfscale-{config_name(args.config)}-{args.backend}",
+        "nodes": str(args.nodes),
+        "ntasks-per-node": str(tasks),
+        "gpus-per-node": str(gpus) if gpus and args.gpu_request == "per_node" else None,
+        "gpus-per-task": "1" if gpus and args.gpu_request == "per_task" else None,
+        "cpus-per-task": str(cpus),
+        "time": args.time,
+        "output": args.job_output,
+        "signal": f"B:TERM@{args.signal_lead_s}",
+        "requeue": "",
+    }
+    # Absent: the template's commented-out placeholder line stays as it is.
+    if args.partition:
+        options["partition"] = args.partition
+    if args.account:
+        options["account"] = args.account
+    return options
+
+
+def edit_values(args: argparse.Namespace, overrides: list[str]) -> dict[str, str]:
+    """EDIT HERE variable -> bash right-hand side (already quoted)."""
+    workdir = args.workdir or os.path.join(args.tfscale_dir, "runs", config_name(args.config))
+    values = {
+        "MODULES": double_quote(args.modules),
+        "TFSCALE_DIR": double_quote(os.path.abspath(args.tfscale_dir)),
+        "VENV": double_quote(os.path.abspath(args.venv)),
+        "CONFIG": double_quote(os.path.abspath(args.config)),
+        "CONFIG_OVERRIDES": "(" + " ".join(shlex.quote(o) for o in overrides) + ")",
+        "WORKDIR": double_quote(os.path.abspath(workdir)),
+        "DATA_DIR": double_quote(os.path.abspath(args.data_dir) if args.data_dir else ""),
+        "STAGE_DIR": double_quote(args.stage_dir),
+    }
+    if args.backend == "horovod":
+        values["LAUNCHER"] = double_quote(args.launcher)
+        values["GLOO_IFACE"] = double_quote(args.gloo_iface)
+    return values
+
+
+def double_quote(value: str) -> str:
+    """A bash double-quoted word: $VARIABLES still expand on the node (e.g. $TMPDIR), nothing else does."""
+    return '"' + re.sub(r'(["\\`])', r"\\\1", value) + '"'
+
+
+# -------------------------------------------------------------------------------------- rendering
+
+
+def render_header(lines: list[str], options: dict[str, str | None]) -> list[str]:
+    """The template's lines with its #SBATCH options set/deleted; options it lacks go after its last one."""
+    out, seen, last_sbatch = [], set(), -1
+    for line in lines:
+        match = _SBATCH_LINE.match(line)
+        if match and match.group(1) in options:
+            key = match.group(1)
+            seen.add(key)
+            if options[key] is None:
+                continue
+            line = f"#SBATCH --{key}" + (f"={options[key]}" if options[key] else "")
+        if match:
+            last_sbatch = len(out)
+        out.append(line)
+    missing = [f"#SBATCH --{k}" + (f"={v}" if v else "") for k, v in options.items() if k not in seen and v is not None]
+    return out[: last_sbatch + 1] + missing + out[last_sbatch + 1:]
+
+
+def render_edit_block(lines: list[str], values: dict[str, str]) -> list[str]:
+    """Sets `NAME=value` in the EDIT HERE block, keeping each line's comment; every NAME must exist there."""
+    begin = next(i for i, line in enumerate(lines) if line.startswith(_EDIT_BEGIN) and "EDIT HERE" in line)
+    end = next(i for i in range(begin + 1, len(lines)) if lines[i].startswith(_EDIT_END))
+    out, found = list(lines), set()
+    for i in range(begin + 1, end):
+        name, sep, rest = lines[i].partition("=")
+        if sep and name in values:
+            comment = rest[rest.index("  # "):] if "  # " in rest else ""
+            out[i] = f"{name}={values[name]}{comment}"
+            found.add(name)
+    missing = sorted(set(values) - found)
+    if missing:
+        raise UsageError(f"the template has no {', '.join(missing)} in its EDIT HERE block: template and tool disagree")
+    return out
+
+
+def render(template: str, options: dict[str, str | None], values: dict[str, str]) -> str:
+    lines = render_edit_block(render_header(template.splitlines(), options), values)
+    return "\n".join(lines) + "\n"
+
+
+def check_bash_syntax(path: str) -> None:
+    """`bash -n`: the generated file must at least parse (a quoting slip would only show on the cluster)."""
+    result = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+    if result.returncode:
+        raise UsageError(f"generated {path} does not parse as bash: {result.stderr.strip()}")
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def make_script(argv: list[str]) -> tuple[str, str]:
+    """Validates the request, writes the script; returns (path, one-line summary)."""
+    args, overrides = parse_args(argv)
+    tasks = tasks_per_node(args)
+    cfg = load_config(args.config, validation_overrides(args, overrides))
+    check_config(cfg, args.nodes, tasks)
+    with open(TEMPLATES[args.backend]) as f:
+        text = render(f.read(), sbatch_options(args, tasks), edit_values(args, overrides))
+    path = args.output or f"tfscale-{config_name(args.config)}-{args.backend}-{args.nodes}x{tasks}.sbatch"
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o755)
+    check_bash_syntax(path)
+    replicas = args.nodes * tasks
+    device = "GPU" if args.gpus_per_node else "CPU task"
+    summary = (f"{args.nodes} nodes x {tasks} {device}s = {replicas} replicas, "
+               f"{cfg.data.global_batch_size // replicas} images per replica per step "
+               f"(global batch {cfg.data.global_batch_size}), backend {args.backend}")
+    return path, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        path, summary = make_script(sys.argv[1:] if argv is None else argv)
+    except UsageError as err:
+        print(f"make_sbatch: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: {summary}")
+    print(f"submit with: sbatch {shlex.quote(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
