@@ -12,7 +12,8 @@ to quote, not the absolute rates of a shared 2-core machine.
           (Keras 3 has no random-resized-crop layer).
   * `compare_keras_fit` (benchmark.mode=train, compare_keras_fit=True, one process): tfscale's
       training step (`train.make_train_step`, what the loop runs) vs Keras `model.fit` on the same
-      model, optimizer, input pipeline and batch.
+      model, optimizer, input pipeline and batch; both timed step by step (interval between step
+      ends, loss read every step), median step time per round.
 """
 
 from __future__ import annotations
@@ -141,18 +142,25 @@ def print_input_report(result: dict) -> None:
 # --- training loop vs model.fit -------------------------------------------------------------------
 
 
-class _EpochTimer(keras.callbacks.Callback):
-    """Wall time of each epoch of `fit`; Keras waits for the epoch's last step before on_epoch_end."""
+class _StepTimer(keras.callbacks.Callback):
+    """Host time between consecutive batch ends of `fit`, each after reading the step's loss (as tfscale's loop does)."""
 
     def __init__(self):
         super().__init__()
-        self.seconds = []
+        self.step_ends = []
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
+    def on_train_batch_end(self, batch, logs=None):
+        float(logs["loss"])  # waits for the step, like the `.numpy()` of tfscale's loop
+        self.step_ends.append(time.perf_counter())
 
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)
+
+def median_step_rate(step_ends: list[float], num_timed: int, global_batch_size: int) -> float:
+    """images/sec from the median of the last `num_timed` intervals between step ends.
+
+    A median, not a mean: on a shared host a burst of load hits a few steps, not the figure.
+    """
+    intervals = [b - a for a, b in zip(step_ends[:-1], step_ends[1:])][-num_timed:]
+    return global_batch_size / statistics.median(intervals)
 
 
 def _keras_fit_model(cfg: ml_collections.ConfigDict) -> keras.Model:
@@ -172,22 +180,21 @@ def _keras_fit_model(cfg: ml_collections.ConfigDict) -> keras.Model:
 
 
 def _fit_rate(model: keras.Model, ds: tf.data.Dataset, num_batches: int, global_batch_size: int) -> float:
-    """images/sec of the second of two `fit` epochs of `num_batches` steps (the first traces and warms up)."""
-    timer = _EpochTimer()
-    model.fit(ds, epochs=2, steps_per_epoch=num_batches, verbose=0, callbacks=[timer])
-    return num_batches * global_batch_size / timer.seconds[1]
+    """images/sec of `fit` over `num_batches` steps after as many warm-up steps (tracing, autotuning)."""
+    timer = _StepTimer()
+    model.fit(ds, epochs=1, steps_per_epoch=2 * num_batches, verbose=0, callbacks=[timer])
+    return median_step_rate(timer.step_ends, num_batches, global_batch_size)
 
 
 def _loop_rate(train_step, cluster, input_fn, num_batches: int, global_batch_size: int) -> float:
-    """images/sec of tfscale's step over `num_batches` steps after as many warm-up steps (fit's treatment)."""
+    """images/sec of tfscale's step, timed exactly as `_fit_rate` times fit."""
     iterator = iter(cluster.distribute_dataset(input_fn))
     no_stop = tf.constant(0.0)
-    for _ in range(num_batches):
-        train_step(iterator, no_stop).numpy()
-    start = time.perf_counter()
-    for _ in range(num_batches):
-        train_step(iterator, no_stop).numpy()  # the loop reads the loss every step, so does this
-    return num_batches * global_batch_size / (time.perf_counter() - start)
+    step_ends = []
+    for _ in range(2 * num_batches):
+        train_step(iterator, no_stop).numpy()  # the loop reads the loss every step
+        step_ends.append(time.perf_counter())
+    return median_step_rate(step_ends, num_batches, global_batch_size)
 
 
 def compare_keras_fit(cfg: ml_collections.ConfigDict, cluster, data_dir: str) -> dict:
