@@ -139,7 +139,7 @@ def run_steps(cfg, next_batch, batch_step, callback_list, per_worker_batch: int,
     """Runs warm-up + timed steps; prints the display lines (chief); returns per-step times and losses."""
     bench = cfg.benchmark
     total_steps = bench.num_warmup_batches + bench.num_batches
-    input_wait_s, compute_s, losses = [], [], []
+    input_wait_s, compute_s, step_s, losses = [], [], [], []
     if is_chief:
         print("Step\tImg/sec\ttotal_loss", flush=True)
     callback_list.on_train_begin()
@@ -152,6 +152,7 @@ def run_steps(cfg, next_batch, batch_step, callback_list, per_worker_batch: int,
         done = time.perf_counter()
         input_wait_s.append(fetched - start)
         compute_s.append(done - fetched)
+        step_s.append(input_wait_s[-1] + compute_s[-1])  # the sum benchmark.json lets readers recompute
         losses.append(loss)
         callback_list.on_train_batch_end(index, {"loss": loss, "global_step": index + 1})
         timed_step = index + 1 - bench.num_warmup_batches
@@ -159,10 +160,10 @@ def run_steps(cfg, next_batch, batch_step, callback_list, per_worker_batch: int,
             print(f"Done warm up ({bench.num_warmup_batches} steps, first step {1000 * (compute_s[0] + input_wait_s[0]):.0f} ms)")
         if timed_step >= 1 and is_chief and (timed_step == 1 or timed_step % bench.display_every == 0
                                              or timed_step == bench.num_batches):
-            timed = [i + c for i, c in zip(input_wait_s, compute_s)][bench.num_warmup_batches:]
+            timed = step_s[bench.num_warmup_batches:]
             print(step_line(timed_step, speed_stats(timed, per_worker_batch), loss), flush=True)
     callback_list.on_train_end({"global_step": total_steps})
-    return {"input_wait_s": input_wait_s, "compute_s": compute_s, "losses": losses}
+    return {"input_wait_s": input_wait_s, "compute_s": compute_s, "step_s": step_s, "losses": losses}
 
 
 def breakdown_ms(cfg, cluster, model, optimizer, batch, steps: dict) -> dict:
@@ -212,7 +213,7 @@ def host_info() -> dict:
 
 def _gather_rates(cluster, steps: dict, per_worker_batch: int, warmup: int) -> list[dict]:
     """Every worker's rate with and without warm-up, gathered in rank order (a collective)."""
-    step_s = [i + c for i, c in zip(steps["input_wait_s"], steps["compute_s"])]
+    step_s = steps["step_s"]
     own = [speed_stats(step_s[warmup:], per_worker_batch)["images_per_sec"],
            speed_stats(step_s, per_worker_batch)["images_per_sec"], 1000 * statistics.median(step_s[warmup:])]
     rows = cluster.gather_per_worker(own)
@@ -249,7 +250,7 @@ def run_step_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[di
 
 def _step_report(cfg, cluster, steps: dict, per_worker: list[dict], breakdown: dict, fit_comparison) -> dict:
     warmup = cfg.benchmark.num_warmup_batches
-    step_s = [i + c for i, c in zip(steps["input_wait_s"], steps["compute_s"])]
+    step_s = steps["step_s"]
     own = speed_stats(step_s[warmup:], cfg.data.global_batch_size // cluster.size)
     report = {
         "mode": cfg.benchmark.mode,
