@@ -49,7 +49,7 @@ def benchmark_command(backend: str, num_workers: int, workdir: str, overrides: l
         f"--config.benchmark.mode={_MODE.value}", f"--config.distribute.backend={_DISTRIBUTE[backend]}",
         f"--config.data.global_batch_size={global_batch}",
         # Only so that validation accepts the batch: synthetic steps never run out of examples.
-        f"--config.data.num_train_examples={max(global_batch, 1) * 1000}" if _MODE.value == "synthetic" else "",
+        *([f"--config.data.num_train_examples={global_batch * 1000}"] if _MODE.value == "synthetic" else []),
         f"--config.benchmark.num_batches={_NUM_BATCHES.value}",
         f"--config.benchmark.num_warmup_batches={_WARMUP.value}",
         *overrides,
@@ -60,7 +60,7 @@ def measure(backend: str, num_workers: int, overrides: list[str]) -> str:
     """Runs one benchmark; returns its benchmark.json path, or exits with the run's last output."""
     workdir = os.path.join(os.path.abspath(_WORKDIR.value), f"{backend}_{num_workers}")
     shutil.rmtree(workdir, ignore_errors=True)
-    command = [arg for arg in benchmark_command(backend, num_workers, workdir, overrides) if arg]
+    command = benchmark_command(backend, num_workers, workdir, overrides)
     print(f"sweep: {backend} x {num_workers} worker(s) ...", flush=True)
     result = subprocess.run(command, cwd=_REPO, capture_output=True, text=True,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
