@@ -29,5 +29,5 @@ def get_config():
     c.schedule.decay = "step"
     c.schedule.decay_epochs = (30, 60, 80)
     c.train.epochs = 90.0
-    c.distribute.backend = "multi_worker"
+    c.distribute.backend = "mwms"
     return c

@@ -36,6 +36,6 @@ def get_config():
     c.train.epochs = 72.0
     c.train.eval_every_epochs = 4.0
     c.checkpoint.every_epochs = 4.0
-    c.distribute.backend = "multi_worker"
+    c.distribute.backend = "mwms"
     c.precision = "mixed_float16"
     return c

@@ -128,14 +128,13 @@ def test_synthetic_mode_one_process_with_profiler_trace(tmp_path):
 def test_two_workers_chief_reports_both(backend, mode, tmp_path):
     if backend == "horovod":
         pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
-    distribute_backend = {"mwms": "multi_worker", "horovod": "horovod"}[backend]
     result = run_cli("tfscale.launch", "--num_workers=2", f"--backend={backend}", "--", "-m", "tfscale.benchmark",
                      *SMALL_RUN, f"--workdir={tmp_path}", f"--config.benchmark.mode={mode}",
-                     f"--config.distribute.backend={distribute_backend}")
+                     f"--config.distribute.backend={backend}")
     assert result.returncode == 0, result.stderr[-3000:]
     report = read_report(tmp_path)
     check_report_against_output(result.stdout, report)
-    assert report["num_workers"] == 2 and report["per_worker_batch_size"] == 16 and report["backend"] == distribute_backend
+    assert report["num_workers"] == 2 and report["per_worker_batch_size"] == 16 and report["backend"] == backend
     assert all(w["images_per_sec"] > 0 for w in report["per_worker"])
     assert "[rank 1] Step" not in result.stdout  # only the chief prints the figures
     if backend == "horovod":

@@ -48,7 +48,7 @@ def mwms_two_workers(tmp_path_factory):
     procs = [
         subprocess.Popen(
             [sys.executable, DRIVER, str(root / f"w{rank}.npz"), *SHORT, f"--workdir={root / 'run'}",
-             "--config.distribute.backend=multi_worker"],
+             "--config.distribute.backend=mwms"],
             cwd=REPO, env=quiet_env(**launch.worker_env(rank, 2, ports, "mwms", 1)),
             stdout=open(root / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT)
         for rank in range(2)
@@ -168,7 +168,7 @@ def test_horovod_rank_loss_is_averaged_over_its_own_batch():
                                  host="h", hvd=object())
     assert cluster.loss_batch_size(256) == 64
     assert not cluster.saving_is_collective
-    mwms = distribute.Cluster(backend="multi_worker", strategy=None, rank=0, size=4, local_rank=0, num_replicas=4,
+    mwms = distribute.Cluster(backend="mwms", strategy=None, rank=0, size=4, local_rank=0, num_replicas=4,
                               host="h")
     assert mwms.loss_batch_size(256) == 256 and mwms.saving_is_collective
 

@@ -106,7 +106,7 @@ def one_worker_global_batch(tmp_path_factory):
 def test_two_workers_agree_and_equal_one_worker_with_the_global_batch(tmp_path, one_worker_global_batch):
     workdir = str(tmp_path / "run")
     args = lambda rank: [DRIVER, str(tmp_path / f"w{rank}.npz"), *SHORT, f"--workdir={workdir}",  # noqa: E731
-                         "--config.distribute.backend=multi_worker"]
+                         "--config.distribute.backend=mwms"]
     ports = launch.free_ports(2)
     procs = [
         subprocess.Popen([sys.executable, *args(rank)], cwd=REPO,
@@ -184,7 +184,7 @@ def test_sigterm_saves_checkpoint_then_relaunch_finishes(tmp_path):
     workdir = str(tmp_path / "run")
     command = [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1", "--",
                "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
-               "--config.distribute.backend=multi_worker", "--config.train.epochs=10", "--config.train.log_every_steps=5"]
+               "--config.distribute.backend=mwms", "--config.train.epochs=10", "--config.train.log_every_steps=5"]
     sigterm_then_resume(command, workdir, str(tmp_path))
 
 
@@ -193,7 +193,7 @@ def test_killed_worker_ends_the_other_within_the_heartbeat_timeout(tmp_path):
     workdir = str(tmp_path / "run")
     procs, _ = start_workers(
         ["-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}", "--config.train.epochs=500",
-         "--config.distribute.backend=multi_worker", "--config.distribute.heartbeat_timeout_s=5",
+         "--config.distribute.backend=mwms", "--config.distribute.heartbeat_timeout_s=5",
          "--config.train.log_every_steps=5"],
         2, str(tmp_path),
     )
@@ -212,7 +212,7 @@ def test_wrong_peer_address_fails_preflight_naming_it(tmp_path):
     started = time.time()
     result = subprocess.run(
         [sys.executable, "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={tmp_path}",
-         "--config.distribute.backend=multi_worker", "--config.distribute.connect_timeout_s=5"],
+         "--config.distribute.backend=mwms", "--config.distribute.connect_timeout_s=5"],
         cwd=REPO, env=quiet_env(TF_CONFIG=json.dumps(tf_config)), capture_output=True, text=True, timeout=120,
     )
     assert result.returncode != 0

@@ -85,6 +85,6 @@ def test_sweep_runs_one_and_two_workers_and_reports(tmp_path):
     assert [reports[n]["num_workers"] for n in (1, 2)] == [1, 2]
     assert [reports[n]["global_batch_size"] for n in (1, 2)] == [8, 16]  # weak scaling: batch per worker fixed
     x1, x2 = (reports[n]["total_images_per_sec"] for n in (1, 2))
-    assert f"| multi_worker synthetic | 2 | {x2:.2f} | {x2 / x1:.2f}x | {100 * x2 / (2 * x1):.1f}% |" in result.stdout
+    assert f"| mwms synthetic | 2 | {x2:.2f} | {x2 / x1:.2f}x | {100 * x2 / (2 * x1):.1f}% |" in result.stdout
     assert (tmp_path / "report.png").stat().st_size > 10_000
-    assert "| multi_worker synthetic | 1 |" in (tmp_path / "report.md").read_text()
+    assert "| mwms synthetic | 1 |" in (tmp_path / "report.md").read_text()

@@ -189,7 +189,7 @@ def test_mwms_job_two_tasks(slurm, tmp_path):
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     port = 20000 + job_id % 20000
     assert f"cluster_spec = {{'worker': ['{host}:{port}', '{host}:{port + 1}']}}" in text
-    assert "rank=0/2" in text and "rank=1/2" in text and "backend=multi_worker" in text
+    assert "rank=0/2" in text and "rank=1/2" in text and "backend=mwms" in text
 
 
 @pytest.mark.slow

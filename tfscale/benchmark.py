@@ -3,7 +3,7 @@
     python -m tfscale.benchmark --config=configs/r50_1gpu.py --workdir=runs/bench \
         --config.benchmark.mode=synthetic [--config.benchmark.num_batches=100 ...]
     python -m tfscale.launch --num_workers=2 -- -m tfscale.benchmark --config=... --workdir=... \
-        --config.distribute.backend=multi_worker          (or --backend=horovod ... =horovod)
+        --config.distribute.backend=mwms          (or --backend=horovod ... =horovod)
 
 Modes (`benchmark.mode`):
   synthetic  the full training step (forward, backward, gradient all-reduce, update) on one random

@@ -29,7 +29,7 @@ LARGE_BATCH_WITHOUT_LARS = 8192
 # so validating a config does not import TensorFlow.
 DATASETS = ("synthetic", "synthetic_learnable", "tfrecord", "tfds")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
-BACKENDS = ("one_device", "mirrored", "multi_worker", "horovod")
+BACKENDS = ("one_device", "mirrored", "mwms", "horovod")
 # Said wherever horovod is needed and missing (distribute.setup, the launcher).
 HOROVOD_INSTALL_HINT = "build it against this TensorFlow with `make horovod` (tools/install_horovod.sh; README 'Horovod')"
 BENCHMARK_MODES = ("train", "synthetic", "input")
@@ -50,6 +50,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.bn_epsilon = 1e-5  # BatchNormalization epsilon
     c.model.sync_bn = False  # BatchNorm statistics over all replicas (exact N x b == 1 x N*b; costs an all-reduce)
     c.model.data_format = "channels_last"  # channels_first can be faster on some GPUs; CPUs need last
+    c.model.init_from = ""  # start from these weights: a tfscale workdir/checkpoint, .keras or .weights.h5 ("" = random)
+    c.model.init_skip_head = False  # init_from: re-initialise the classifier (fine-tuning to another num_classes)
 
     c.data = ml_collections.ConfigDict()
     c.data.dataset = "synthetic"  # synthetic (random, like tf_cnn_benchmarks) | synthetic_learnable | tfrecord | tfds
@@ -116,10 +118,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.max_to_keep = 3  # older checkpoints are deleted
 
     c.distribute = ml_collections.ConfigDict()
-    c.distribute.backend = "one_device"  # one_device | mirrored (all local GPUs) | multi_worker (MWMS) | horovod
+    c.distribute.backend = "one_device"  # one_device | mirrored (all local GPUs) | mwms (MultiWorkerMirroredStrategy) | horovod
     c.distribute.num_cpu_devices = 1  # mirrored on a CPU host: split the CPU into this many devices
     c.distribute.connect_timeout_s = 300.0  # all workers must answer within this, else a message and exit
-    c.distribute.heartbeat_timeout_s = 60.0  # multi_worker: a worker silent this long is dead; the rest fail
+    c.distribute.heartbeat_timeout_s = 60.0  # mwms: a worker silent this long is dead; the rest fail
     c.distribute.collective_timeout_s = 0.0  # abort any single all-reduce after this long (0: no limit)
     c.distribute.collective_impl = "AUTO"  # AUTO | RING | NCCL (NCCL on GPU clusters)
     c.distribute.pack_bytes = 0  # all-reduce packing: bytes per pack (0: TensorFlow's default)
@@ -268,7 +270,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
         raise ValueError(f"config.data.eval_crop_fraction must be in (0, 1], got {cfg.data.eval_crop_fraction}")
     if cfg.model.sync_bn and cfg.distribute.backend == "horovod":
         raise ValueError(
-            "config.model.sync_bn=True needs a tf.distribute backend (mirrored, multi_worker): Keras' "
+            "config.model.sync_bn=True needs a tf.distribute backend (mirrored, mwms): Keras' "
             "synchronized BatchNormalization cannot see other Horovod ranks. Set config.model.sync_bn=False "
             "(each rank normalises over its own batch, as in Horovod's ResNet examples)"
         )

@@ -4,7 +4,7 @@
 topology (rank, size, replicas, chief) and the strategy to run steps with. Rank checks elsewhere go
 through `Cluster.is_chief`, so there is one definition of "the process that writes files".
 
-Multi-worker jobs (`multi_worker`, MultiWorkerMirroredStrategy) take their cluster from, in order:
+Multi-worker jobs (`mwms`, MultiWorkerMirroredStrategy) take their cluster from, in order:
 an explicit TF_CONFIG; a Slurm allocation (SLURM_PROCID / SLURM_NTASKS / SLURM_JOB_NODELIST /
 SLURM_TASKS_PER_NODE, ports from `distribute.port_base`); `python -m tfscale.launch`, which writes a
 TF_CONFIG. Users' top complaint about MWMS is jobs that hang, so setup never waits unboundedly:
@@ -53,7 +53,7 @@ class Cluster:
     local_rank: int  # index among the workers on this host
     num_replicas: int  # model replicas over all workers (one per device)
     host: str
-    worker_addresses: tuple[str, ...] = ()  # host:port of every worker (multi_worker only)
+    worker_addresses: tuple[str, ...] = ()  # host:port of every worker (mwms only)
     hvd: Any = None  # the horovod.tensorflow module (horovod only)
     fp16_allreduce: bool = False  # horovod: gradients travel as float16
 
@@ -474,7 +474,7 @@ def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Clust
         strategy = _one_device_strategy()
     elif dist_cfg.backend == "mirrored":
         strategy = _mirrored_strategy(dist_cfg)
-    elif dist_cfg.backend == "multi_worker":
+    elif dist_cfg.backend == "mwms":
         tf_config = _resolve_tf_config(dist_cfg, env)
         strategy = _multi_worker_strategy(dist_cfg, tf_config, local_rank)
     else:

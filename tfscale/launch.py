@@ -1,7 +1,7 @@
 """Local multi-process launcher: runs N copies of a Python command as one multi-worker job on this host.
 
     python -m tfscale.launch --num_workers=2 -- -m tfscale.train --config=configs/smoke.py \
-        --workdir=runs/x --config.distribute.backend=multi_worker
+        --workdir=runs/x --config.distribute.backend=mwms
 
 Each worker is `sys.executable <args after -->` with the cluster environment its backend reads:
 `TF_CONFIG` on free loopback ports for MultiWorkerMirroredStrategy (`mwms`), or the Gloo rendezvous

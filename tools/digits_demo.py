@@ -58,7 +58,7 @@ def main(argv):
         sys.executable, "-m", "tfscale.launch", f"--num_workers={_NUM_WORKERS.value}", "--",
         "-m", "tfscale.train", "--config=configs/digits.py", f"--workdir={train_dir}",
         f"--config.data.data_dir={shards_dir}", f"--config.data.num_train_examples={counts['train']}",
-        f"--config.data.num_eval_examples={counts['validation']}", "--config.distribute.backend=multi_worker",
+        f"--config.data.num_eval_examples={counts['validation']}", "--config.distribute.backend=mwms",
         *argv[1:],
     ]
     subprocess.run(command, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

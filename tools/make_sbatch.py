@@ -32,7 +32,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # validation imports TensorF
 
 TEMPLATES = {"mwms": os.path.join(REPO, "slurm", "mwms.sbatch"),
              "horovod": os.path.join(REPO, "slurm", "horovod.sbatch")}
-TRAIN_BACKEND = {"mwms": "multi_worker", "horovod": "horovod"}  # config.distribute.backend of the tasks
 LAUNCHERS = ("srun-pmix", "horovodrun-gloo")
 DEFAULT_GPU_CPUS_PER_TASK = 8  # input pipeline threads per GPU: JPEG decoding needs several cores
 _SBATCH_LINE = re.compile(r"^#{1,2}SBATCH\s+--([\w-]+)(?:=(.*))?$")
@@ -119,7 +118,7 @@ def validation_overrides(args: argparse.Namespace, overrides: list[str]) -> list
     for override in overrides:
         if override.startswith("--config.distribute.backend="):
             raise UsageError(f"{override}: the backend is chosen with --backend (mwms or horovod)")
-    extra = [f"--config.distribute.backend={TRAIN_BACKEND[args.backend]}"]
+    extra = [f"--config.distribute.backend={args.backend}"]
     if args.data_dir:
         extra.append(f"--config.data.data_dir={os.path.abspath(args.data_dir)}")
     return [*overrides, *extra]

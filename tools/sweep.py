@@ -35,8 +35,8 @@ _WARMUP = flags.DEFINE_integer("num_warmup_batches", 10, "Untimed steps per run.
 _THREADS = flags.DEFINE_integer("threads_per_worker", 1, "Threads per worker (0: the launcher's default).")
 _REFERENCE = flags.DEFINE_integer("reference", None, "Worker count of the reference (default: the smallest).")
 
-_DISTRIBUTE = {"mwms": "multi_worker", "horovod": "horovod"}
-flags.register_validator("backends", lambda names: set(names) <= set(_DISTRIBUTE), "--backends: mwms and/or horovod")
+_BACKENDS = ("mwms", "horovod")  # launcher and config spell them alike
+flags.register_validator("backends", lambda names: set(names) <= set(_BACKENDS), "--backends: mwms and/or horovod")
 
 
 def benchmark_command(backend: str, num_workers: int, workdir: str, overrides: list[str]) -> list[str]:
@@ -46,7 +46,7 @@ def benchmark_command(backend: str, num_workers: int, workdir: str, overrides: l
     return [
         sys.executable, "-m", "tfscale.launch", f"--num_workers={num_workers}", f"--backend={backend}", *threads, "--",
         "-m", "tfscale.benchmark", f"--config={_CONFIG.value}", f"--workdir={workdir}",
-        f"--config.benchmark.mode={_MODE.value}", f"--config.distribute.backend={_DISTRIBUTE[backend]}",
+        f"--config.benchmark.mode={_MODE.value}", f"--config.distribute.backend={backend}",
         f"--config.data.global_batch_size={global_batch}",
         # Only so that validation accepts the batch: synthetic steps never run out of examples.
         *([f"--config.data.num_train_examples={global_batch * 1000}"] if _MODE.value == "synthetic" else []),
