@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import time
 
 import keras
 import numpy as np
@@ -64,8 +66,11 @@ def test_metrics_rows(smoke_run):
     eval_rows = [r for r in rows if "eval_top1" in r]
     assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
     for row in train_rows:
-        assert set(row) == {"step", "epoch", "loss", "lr", "images_per_sec"}
+        assert set(row) == {"step", "epoch", "loss", "lr", "images_per_sec", "time"}
         assert row["images_per_sec"] > 0
+    # Every row, eval rows too, carries its wall-clock time (Unix seconds), in the order written.
+    times = [r["time"] for r in rows]
+    assert times == sorted(times) and time.time() - 3600 < times[0]
     assert train_rows[2]["epoch"] == 1.5
     # eval every 1.5 epochs = 30 steps; 500 examples counted exactly despite the padded last batch
     assert [r["step"] for r in eval_rows] == [30, 60]
@@ -127,6 +132,12 @@ def test_cli_trains_then_resumes_instead_of_restarting(tmp_path):
     first = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "eval at step 60" in first.stderr
+    # Each message once (absl's line, not TensorFlow's own `INFO:tensorflow:` copy); steps with an ETA.
+    assert "INFO:tensorflow:" not in first.stderr
+    records = [line.split(" ", 3)[3] for line in first.stderr.splitlines() if re.match(r"[IWEF]\d{4} \S+ +\d+ ", line)]
+    assert len(records) == len(set(records)), records  # file:line] message, without time and thread
+    step_lines = [line for line in first.stderr.splitlines() if re.search(r"\] step \d+/60 ", line)]
+    assert len(step_lines) == 6 and all(re.search(r"  eta \d+:\d\d:\d\d$", line) for line in step_lines), step_lines
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows_after_first = f.read()
 

@@ -40,7 +40,11 @@ class MetricsLogger(keras.callbacks.Callback):
     """Chief-only progress: absl log lines, `metrics.jsonl` rows and TensorBoard scalars.
 
     images/sec is measured over training steps only: the clock restarts after each evaluation, so an
-    eval pass never dilutes the throughput figure.
+    eval pass never dilutes the throughput figure. The step line ends with `eta H:MM:SS`: the steps
+    still to train at the steady rate measured so far (evaluations and a restart's tracing excluded).
+    Every `metrics.jsonl` row (train and eval) carries `time`, the wall clock when it was written
+    (Unix seconds, UTC, millisecond resolution): rows of a resumed run, or of different runs, line up
+    on one time axis. TensorBoard records its own wall time, so `time` is not a scalar there.
     """
 
     def __init__(self, workdir: str, *, is_chief: bool, global_batch_size: int, steps_per_epoch: int,
@@ -84,8 +88,9 @@ class MetricsLogger(keras.callbacks.Callback):
         }
         if self.is_chief:
             logging.info(
-                "step %d/%d  epoch %.2f  loss %.4f  lr %.5g  images/sec %.1f",
+                "step %d/%d  epoch %.2f  loss %.4f  lr %.5g  images/sec %.1f  eta %s",
                 step, self.train_steps, row["epoch"], row["loss"], row["lr"], row["images_per_sec"],
+                format_duration((self.train_steps - step) * self._seconds_per_step()),
             )
         self._write_row(row)
         self._restart_clock(step)
@@ -95,20 +100,32 @@ class MetricsLogger(keras.callbacks.Callback):
             return
         # CallbackList hands over every number as a float; counts go back to ints.
         row = {k: int(v) if k in ("step", "eval_examples") else v for k, v in row.items()}
+        row["time"] = round(time.time(), 3)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         with self.writer.as_default(step=int(row["step"])):
             for key, value in row.items():
-                if key != "step":
+                if key not in ("step", "time"):
                     tf.summary.scalar(key, value)
         self.writer.flush()
 
-    def steady_images_per_sec(self) -> float | None:
-        """Throughput without the first interval after a (re)start, which pays for tracing."""
+    def _seconds_per_step(self) -> float:
+        """Mean training-step time without the first interval after a (re)start, which pays for tracing."""
         steady = self.intervals[1:] or self.intervals
         steps = sum(s for s, _ in steady)
-        seconds = sum(t for _, t in steady)
-        return round(steps * self.global_batch_size / seconds, 2) if seconds > 0 else None
+        return sum(t for _, t in steady) / steps if steps else 0.0
+
+    def steady_images_per_sec(self) -> float | None:
+        """Throughput without the first interval after a (re)start, which pays for tracing."""
+        seconds_per_step = self._seconds_per_step()
+        return round(self.global_batch_size / seconds_per_step, 2) if seconds_per_step > 0 else None
+
+
+def format_duration(seconds: float) -> str:
+    """Whole seconds as H:MM:SS (hours may exceed 24: '27:46:40'), the form a reader adds to a clock."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 class CheckpointSaver(keras.callbacks.Callback):
