@@ -5,7 +5,7 @@ import os
 
 import pytest
 from absl import flags
-from conftest import REPO, load_config
+from conftest import REPO, load_config, run_cli
 
 from tfscale import config as tfs_config
 
@@ -37,11 +37,93 @@ def test_config_files_exist():
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
-def test_every_config_loads_and_validates(path):
+def test_every_config_loads_and_validates(path, tmp_path):
     cfg = parse(f"--config={path}")
+    if cfg.data.dataset == "tfrecord":
+        cfg.data.data_dir = str(tmp_path)
     tfs_config.validate(cfg, num_replicas=REPLICAS.get(os.path.basename(path), 1))
     steps = tfs_config.to_steps(cfg)
     assert steps.train_steps >= 1 and steps.steps_per_epoch >= 1
+
+
+@pytest.mark.parametrize("name", ["r50_1gpu", "r50_8gpu", "r50_32gpu", "r50_lars_32k", "cifar_resnet20"])
+def test_recipes_train_on_the_shards_they_are_given(name, tmp_path):
+    cfg = load_config(name, f"--config.data.data_dir={tmp_path}")
+    assert cfg.data.dataset == "tfrecord"
+    tfs_config.validate(cfg)
+    assert cfg.data.label_offset == 1  # ImageNet-layout shards: 1-based labels
+
+
+@pytest.mark.parametrize("name", ["r50_1gpu", "r50_32gpu", "cifar_resnet20"])
+def test_recipe_without_data_dir_names_the_key_and_the_converter(name):
+    with pytest.raises(ValueError, match=r"config\.data\.data_dir .*tfscale-convert .*dataset=synthetic"):
+        tfs_config.validate(load_config(name))
+
+
+def test_missing_data_dir_is_named(tmp_path):
+    with pytest.raises(ValueError, match=rf"config\.data\.data_dir='{tmp_path}/nope' is not a directory.*tfscale-convert"):
+        tfs_config.validate(load_config("r50_1gpu", f"--config.data.data_dir={tmp_path}/nope"))
+
+
+@pytest.mark.parametrize("key", ["data_dir", "stage_dir", "tfds_name"])
+def test_synthetic_data_with_a_data_source_is_refused(key, tmp_path):
+    cfg = load_config("r50_32gpu", "--config.data.dataset=synthetic", f"--config.data.{key}={tmp_path}")
+    with pytest.raises(ValueError, match=rf"config\.data\.{key}=.* config\.data\.dataset='synthetic'"):
+        tfs_config.validate(cfg)
+
+
+def test_synthetic_stays_one_override_away():
+    cfg = load_config("r50_32gpu", "--config.data.dataset=synthetic")
+    tfs_config.validate(cfg, num_replicas=32)
+    assert cfg.data.label_offset == 0
+
+
+def test_label_offset_follows_the_dataset(tmp_path):
+    tfds = load_config("r50_1gpu", "--config.data.dataset=tfds", "--config.data.tfds_name=imagenet2012",
+                       f"--config.data.data_dir={tmp_path}")
+    tfs_config.validate(tfds)
+    assert tfds.data.label_offset == 0
+    explicit = load_config("r50_1gpu", f"--config.data.data_dir={tmp_path}", "--config.data.label_offset=0")
+    tfs_config.validate(explicit)
+    assert explicit.data.label_offset == 0  # an explicit value is kept
+    bad = load_config("r50_1gpu", "--config.data.dataset=tfds", "--config.data.tfds_name=imagenet2012",
+                      f"--config.data.data_dir={tmp_path}", "--config.data.label_offset=1")
+    with pytest.raises(ValueError, match=r"label_offset=1 with config\.data\.dataset='tfds'.*0-based"):
+        tfs_config.validate(bad)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--config.data.tfds_name=imagenet2012"], r"tfds_name='imagenet2012' is set but config\.data\.dataset='tfrecord'"),
+    (["--config.data.dataset=tfds", "--config.data.tfds_name=imagenet2012", "--config.data.stage_dir=/tmp/x"],
+     r"stage_dir='/tmp/x' stages TFRecord shards"),
+])
+def test_contradicting_data_keys_are_refused(overrides, message, tmp_path):
+    cfg = load_config("r50_1gpu", f"--config.data.data_dir={tmp_path}", *overrides)
+    with pytest.raises(ValueError, match=message):
+        tfs_config.validate(cfg)
+
+
+def test_recipe_on_fewer_replicas_says_so_and_how_to_scale(tmp_path):
+    cfg = load_config("r50_32gpu", f"--config.data.data_dir={tmp_path}")
+    tfs_config.validate(cfg, num_replicas=32)
+    with pytest.raises(ValueError, match=(
+        r"1 replica\(s\), so each would take 4096 images .*written for 32 replicas .*"
+        r"--config\.data\.global_batch_size=128 ")):
+        tfs_config.validate(cfg, num_replicas=1)
+    scaled = load_config("r50_32gpu", f"--config.data.data_dir={tmp_path}", "--config.data.global_batch_size=512")
+    tfs_config.validate(scaled, num_replicas=4)  # 128 per GPU on 4 GPUs: the recipe at a smaller batch
+    assert scaled.optim.lr == pytest.approx(0.2)
+
+
+def test_bundled_recipes_resolve_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bundled = os.path.join(tfs_config.BUNDLED_CONFIG_DIR, "r50_32gpu.py")
+    for given in ("r50_32gpu", "r50_32gpu.py", "configs/r50_32gpu.py"):
+        assert tfs_config.resolve_config_arg(f"--config={given}:arg") == f"--config={bundled}:arg"
+    (tmp_path / "mine.py").write_text("")
+    assert tfs_config.resolve_config_path("mine.py") == "mine.py"  # a file that exists wins
+    assert tfs_config.resolve_config_path("elsewhere/r50_32gpu.py") == "elsewhere/r50_32gpu.py"
+    assert tfs_config.resolve_config_path("no_such_recipe") == "no_such_recipe"
 
 
 def test_r50_32gpu_is_the_goyal_recipe():
@@ -127,13 +209,15 @@ def test_to_steps_converts_epochs_once():
 
 
 def test_large_batch_without_lars_warns(caplog):
-    cfg = parse(f"--config={REPO}/configs/r50_32gpu.py", "--config.data.global_batch_size=16384")
+    cfg = parse(f"--config={REPO}/configs/r50_32gpu.py", "--config.data.global_batch_size=16384",
+                "--config.data.dataset=synthetic")
     with caplog.at_level("WARNING"):
-        tfs_config.validate(cfg, num_replicas=32)
+        tfs_config.validate(cfg, num_replicas=128)
     assert "global_batch_size=16384 exceeds 8192" in caplog.text and "LARS" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        tfs_config.validate(parse(f"--config={REPO}/configs/r50_lars_32k.py"), num_replicas=256)
+        tfs_config.validate(parse(f"--config={REPO}/configs/r50_lars_32k.py", "--config.data.dataset=synthetic"),
+                            num_replicas=256)
     assert "exceeds" not in caplog.text
 
 
@@ -145,3 +229,20 @@ def test_lars_recipe():
     assert cfg.optim.lr == pytest.approx(29.0)
     halved = parse(f"--config={REPO}/configs/r50_lars_32k.py", "--config.data.global_batch_size=16384")
     assert halved.optim.lr == pytest.approx(14.5)  # base LR grows (and shrinks) with the batch
+
+
+def test_recipe_without_data_fails_fast_naming_data_dir(tmp_path):
+    """The first thing a new user types: no shards yet. It must not build a 4096-image batch of noise."""
+    result = run_cli("tfscale.train", "--config=configs/r50_32gpu.py", f"--workdir={tmp_path}/w")
+    assert result.returncode != 0
+    assert "config.data.data_dir" in result.stderr and "tfscale-convert" in result.stderr
+    assert not os.path.exists(tmp_path / "w")  # nothing written
+
+
+def test_recipe_on_one_replica_is_refused_before_anything_is_built(tmp_path):
+    result = run_cli("tfscale.train", "--config=r50_32gpu", f"--workdir={tmp_path}/w",
+                     f"--config.data.data_dir={tmp_path}", "--config.distribute.backend=one_device",
+                     cwd=str(tmp_path))  # the bundled recipe, by name, from another directory
+    assert result.returncode != 0
+    assert "each would take 4096 images" in result.stderr and "--config.data.global_batch_size=128" in result.stderr
+    assert "parameters" not in result.stderr  # the model was never built

@@ -157,6 +157,7 @@ def test_horovod_knobs_reach_the_environment():
 
 def test_sync_bn_with_horovod_is_refused():
     cfg = tfs_config.base_config()
+    cfg.data.dataset = "synthetic"
     cfg.distribute.backend = "horovod"
     cfg.model.sync_bn = True
     with pytest.raises(ValueError, match="model.sync_bn=True needs a tf.distribute backend"):

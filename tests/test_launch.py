@@ -422,3 +422,22 @@ def test_horovod_job_runs_a_rendezvous_server(monkeypatch, capsys):
     # One host, 127.0.0.1, with a slot per worker: the name must match HOROVOD_HOSTNAME's scope.
     assert calls["plan"] == (("parsed", "127.0.0.1:2"), 2)
     assert calls["stopped"]
+
+
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_launcher_sets_the_config_backend_of_tfscale_programs(backend):
+    for program in ("tfscale.train", "tfscale.benchmark"):
+        argv = ["-m", program, "--config=configs/smoke.py"]
+        assert launch.with_backend(argv, backend) == [*argv, f"--config.distribute.backend={backend}"]
+        agreeing = [*argv, f"--config.distribute.backend={backend}"]
+        assert launch.with_backend(agreeing, backend) == agreeing  # said once, not twice
+    other = ["some_script.py", "--flag"]
+    assert launch.with_backend(other, backend) == other  # not ours: left alone
+
+
+def test_launcher_refuses_a_contradicting_backend_override():
+    code = launch.main(["--num_workers=2", "--backend=horovod", "--", "-m", "tfscale.train",
+                        "--config.distribute.backend=mwms"])
+    assert code == 2  # refused before anything started
+    with pytest.raises(ValueError, match=r"--backend=horovod but .*backend=mwms.*--backend=mwms"):
+        launch.with_backend(["-m", "tfscale.train", "--config.distribute.backend=mwms"], "horovod")

@@ -28,6 +28,10 @@ all-reduce run alone on gradient-sized tensors; `update_and_other` = compute - b
 
 from __future__ import annotations
 
+from tfscale import logs
+
+logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
+
 import json
 import os
 import platform
@@ -185,10 +189,13 @@ def breakdown_ms(cfg, cluster, model, optimizer, batch, steps: dict) -> dict:
 
 
 def _benchmark_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A copy of `cfg` for the run: synthetic mode ignores the configured data."""
+    """A copy of `cfg` for the run: synthetic mode replaces the configured data with random images."""
     cfg = ml_collections.ConfigDict(cfg.to_dict())
     if cfg.benchmark.mode == "synthetic":
+        if cfg.data.dataset != "synthetic":
+            logging.info("benchmark.mode=synthetic: random images instead of config.data.dataset=%r", cfg.data.dataset)
         cfg.data.dataset = "synthetic"
+        cfg.data.data_dir = cfg.data.stage_dir = cfg.data.tfds_name = ""
     return cfg
 
 

@@ -7,13 +7,15 @@ Goyal et al. 2017), so `--config.data.global_batch_size=512` rescales the LR and
 shows it. Durations are written in epochs (floats) and turned into steps only by `to_steps()`.
 
 `validate(cfg, num_replicas)` turns every mistake we can foresee into a ValueError that names the key
-and the value, before any expensive work starts.
+and the value, before any expensive work starts. It also fills the one automatic value,
+`data.label_offset=-1` (1 for ImageNet-layout TFRecord shards, 0 for TFDS), so config.json records what ran.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 from typing import Callable
 
@@ -21,9 +23,30 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tfscale import logs
+
+
+class ConfigError(ValueError):
+    """A config value tfscale cannot run with; the message names the key and the value.
+
+    The CLIs print it as one line instead of a traceback: it is the user's to fix, not a crash.
+    """
+
+
 # Above this global batch plain SGD loses accuracy even with warmup (Goyal et al. 2017: 8k is the
 # limit of linear scaling); LARS is what carries ResNet-50 past it.
 LARGE_BATCH_WITHOUT_LARS = 8192
+
+# How to make what `data.dataset='tfrecord'` reads; said wherever shards are missing.
+CONVERT_HINT = (
+    "make shards from an image folder with `tfscale-convert --input_dir=DIR --output_dir=SHARDS --split=train` "
+    "(and --split=validation), then pass --config.data.data_dir=SHARDS; for speed tests without data, "
+    "--config.data.dataset=synthetic"
+)
+# Stored-label offsets by dataset (data.label_offset=-1): ImageNet-layout shards keep 0 for "background",
+# TFDS ClassLabel features are 0-based.
+AUTO_LABEL_OFFSET = {"tfrecord": 1, "tfds": 0, "synthetic": 0, "synthetic_learnable": 0}
+_SYNTHETIC = ("synthetic", "synthetic_learnable")
 
 # Names the code dispatches on. They live here (not imported from the modules that implement them)
 # so validating a config does not import TensorFlow.
@@ -54,13 +77,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.init_skip_head = False  # init_from: re-initialise the classifier (fine-tuning to another num_classes)
 
     c.data = ml_collections.ConfigDict()
-    c.data.dataset = "synthetic"  # synthetic (random, like tf_cnn_benchmarks) | synthetic_learnable | tfrecord | tfds
-    c.data.data_dir = ""  # TFRecord shard directory (tfrecord) or local TFDS data_dir (tfds; never downloads)
+    c.data.dataset = "tfrecord"  # tfrecord (shards, data_dir) | tfds | synthetic (random, like tf_cnn_benchmarks) | synthetic_learnable
+    c.data.data_dir = ""  # TFRecord shard directory (tfrecord) or local TFDS data_dir (tfds; never downloads); required for both
     c.data.stage_dir = ""  # copy shards here first (node-local SSD, e.g. $TMPDIR); "" reads in place
     c.data.tfds_name = ""  # TFDS dataset name, e.g. imagenet2012 (dataset=tfds)
     c.data.train_split = "train"  # shard file prefix (train-00000-of-01024) or TFDS split
     c.data.eval_split = "validation"  # shard file prefix or TFDS split
-    c.data.label_offset = 1  # subtracted from stored labels: ImageNet shards are 1-based (0 unused)
+    c.data.label_offset = -1  # subtracted from stored labels; -1 follows the dataset: 1 for TFRecord shards (ImageNet layout, 0 unused), 0 for TFDS
     c.data.augment = "imagenet"  # imagenet (random-resized crop + flip) | cifar (pad 4, crop, flip) | none
     c.data.eval_crop_fraction = 0.875  # imagenet eval: central crop of the shorter side, then resize
     c.data.batch_augment = "none"  # none | randaugment | mixup | cutmix (Keras core layers, in tf.data)
@@ -81,6 +104,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.num_train_examples = 1_281_167  # examples per training epoch (ImageNet-1k train)
     c.data.num_eval_examples = 50_000  # examples in one full evaluation (ImageNet-1k validation)
     c.data.global_batch_size = 256  # images per step summed over all replicas
+    c.data.max_per_replica_batch_size = 0  # recipes: the per-replica batch they were written for; larger is refused (0: no limit)
     # Not a linked field: assigning to a linked field would overwrite the train batch it points at.
     c.data.eval_global_batch_size = -1  # images per eval step; -1: same as global_batch_size
     c.data.synthetic_noise = 0.35  # synthetic_learnable: pixel noise relative to the class pattern
@@ -120,12 +144,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribute = ml_collections.ConfigDict()
     c.distribute.backend = "one_device"  # one_device | mirrored (all local GPUs) | mwms (MultiWorkerMirroredStrategy) | horovod
     c.distribute.num_cpu_devices = 1  # mirrored on a CPU host: split the CPU into this many devices
+    c.distribute.log_all_ranks = False  # True: every worker logs progress; default: other workers print their topology line, warnings, errors
     c.distribute.connect_timeout_s = 300.0  # all workers must answer within this, else a message and exit
     c.distribute.heartbeat_timeout_s = 60.0  # mwms: a worker silent this long is dead; the rest fail
     c.distribute.collective_timeout_s = 0.0  # abort any single all-reduce after this long (0: no limit)
     c.distribute.collective_impl = "AUTO"  # AUTO | RING | NCCL (NCCL on GPU clusters)
     c.distribute.pack_bytes = 0  # all-reduce packing: bytes per pack (0: TensorFlow's default)
-    c.distribute.port_base = 0  # Slurm without TF_CONFIG: first worker port (0: derived from SLURM_JOB_ID)
+    c.distribute.port_base = 0  # Slurm without TF_CONFIG: first worker port on each node (0: derived from SLURM_JOB_ID and SLURM_STEP_ID)
     c.distribute.horovod_fusion_bytes = 0  # horovod: tensor-fusion buffer, HOROVOD_FUSION_THRESHOLD (0: 128 MiB)
     c.distribute.horovod_cycle_time_ms = 0.0  # horovod: wait to fuse tensors, HOROVOD_CYCLE_TIME (0: Horovod's)
     c.distribute.horovod_fp16_allreduce = False  # horovod: send gradients as float16 (half the traffic)
@@ -194,7 +219,7 @@ def profile_window(profile_steps: str) -> tuple[int, int] | None:
     except ValueError:
         first = last = 0
     if len(parts) != 2 or not 1 <= first <= last:
-        raise ValueError(
+        raise ConfigError(
             f"config.profile_steps={profile_steps!r} must be 'START,END' with 1 <= START <= END (global steps), e.g. '10,20'"
         )
     return first, last
@@ -202,14 +227,14 @@ def profile_window(profile_steps: str) -> tuple[int, int] | None:
 
 def _require_choice(key: str, value: str, choices) -> None:
     if value not in choices:
-        raise ValueError(f"config.{key}={value!r} is not one of: {', '.join(sorted(choices))}")
+        raise ConfigError(f"config.{key}={value!r} is not one of: {', '.join(sorted(choices))}")
 
 
 def _require_positive(cfg: ml_collections.ConfigDict, keys) -> None:
     for key in keys:
         value = _get(cfg, key)
         if not value > 0:
-            raise ValueError(f"config.{key} must be > 0, got {value!r}")
+            raise ConfigError(f"config.{key} must be > 0, got {value!r}")
 
 
 def _get(cfg: ml_collections.ConfigDict, dotted_key: str):
@@ -221,15 +246,19 @@ def _get(cfg: ml_collections.ConfigDict, dotted_key: str):
 
 def _require_divisible(key: str, batch_size: int, num_replicas: int) -> None:
     if batch_size % num_replicas:
-        raise ValueError(
+        raise ConfigError(
             f"config.{key}={batch_size} cannot be split evenly over {num_replicas} replicas "
             f"(nearest valid sizes: {batch_size // num_replicas * num_replicas} or "
             f"{(batch_size // num_replicas + 1) * num_replicas})"
         )
 
 
-def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
-    """Raises ValueError naming the offending key and value; returns None for a usable config."""
+def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) -> None:
+    """Raises ValueError naming the offending key and value; returns None for a usable config.
+
+    `num_replicas=None` checks what does not depend on the cluster (before one is waited for); with
+    the replica count it also checks the batch split. Resolves `data.label_offset=-1` in place.
+    """
     # Imported here: models pulls in Keras, and the other checks should not pay for it.
     from tfscale import models, optim, schedules
     from tfscale.data import assignment, preprocess
@@ -241,7 +270,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
     _require_choice("data.batch_augment", cfg.data.batch_augment, preprocess.BATCH_AUGMENTS)
     _require_choice("data.assignment", cfg.data.assignment, assignment.SCHEMES)
     if cfg.data.assignment == "overlap" and cfg.data.overlap_copies < 1:
-        raise ValueError(f"config.data.overlap_copies must be >= 1, got {cfg.data.overlap_copies}")
+        raise ConfigError(f"config.data.overlap_copies must be >= 1, got {cfg.data.overlap_copies}")
     _require_choice("precision", cfg.precision, PRECISIONS)
     _require_choice("distribute.backend", cfg.distribute.backend, BACKENDS)
     _require_choice("benchmark.mode", cfg.benchmark.mode, BENCHMARK_MODES)
@@ -256,38 +285,102 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int = 1) -> None:
         "benchmark.num_batches", "benchmark.display_every", "benchmark.rounds", "benchmark.breakdown_batches",
     ))
     if cfg.data.global_batch_size > cfg.data.num_train_examples:
-        raise ValueError(
+        raise ConfigError(
             f"config.data.global_batch_size={cfg.data.global_batch_size} exceeds "
             f"config.data.num_train_examples={cfg.data.num_train_examples}: not one full step per epoch"
         )
-    if cfg.data.dataset in ("tfrecord", "tfds") and not cfg.data.data_dir:
-        raise ValueError(f"config.data.dataset={cfg.data.dataset!r} needs config.data.data_dir")
-    if cfg.data.dataset == "tfds" and not cfg.data.tfds_name:
-        raise ValueError("config.data.dataset='tfds' needs config.data.tfds_name (e.g. imagenet2012)")
-    if cfg.data.label_offset < 0:
-        raise ValueError(f"config.data.label_offset must be >= 0, got {cfg.data.label_offset}")
+    _check_data_source(cfg.data)
     if not 0.0 < cfg.data.eval_crop_fraction <= 1.0:
-        raise ValueError(f"config.data.eval_crop_fraction must be in (0, 1], got {cfg.data.eval_crop_fraction}")
+        raise ConfigError(f"config.data.eval_crop_fraction must be in (0, 1], got {cfg.data.eval_crop_fraction}")
+    init_path = cfg.model.init_from
+    # A checkpoint prefix (W/checkpoints/ckpt-60) is not a file itself; its .index file is.
+    if init_path and not any(os.path.exists(init_path + suffix) for suffix in ("", ".index")):
+        raise ConfigError(
+            f"config.model.init_from={init_path!r} does not exist (expected a tfscale workdir, a checkpoint "
+            "prefix, a .keras or a .weights.h5 file)"
+        )
     if cfg.model.sync_bn and cfg.distribute.backend == "horovod":
-        raise ValueError(
+        raise ConfigError(
             "config.model.sync_bn=True needs a tf.distribute backend (mirrored, mwms): Keras' "
             "synchronized BatchNormalization cannot see other Horovod ranks. Set config.model.sync_bn=False "
             "(each rank normalises over its own batch, as in Horovod's ResNet examples)"
         )
-    _require_divisible("data.global_batch_size", cfg.data.global_batch_size, num_replicas)
     eval_batch = eval_global_batch_size(cfg.data)
     if eval_batch <= 0:
-        raise ValueError(f"config.data.eval_global_batch_size must be > 0 or -1, got {eval_batch}")
-    _require_divisible("data.eval_global_batch_size", eval_batch, num_replicas)
-    schedules.check(cfg.schedule, total_epochs=cfg.train.epochs)
+        raise ConfigError(f"config.data.eval_global_batch_size must be > 0 or -1, got {eval_batch}")
+    if num_replicas is not None:
+        _require_divisible("data.global_batch_size", cfg.data.global_batch_size, num_replicas)
+        _require_divisible("data.eval_global_batch_size", eval_batch, num_replicas)
+        _check_per_replica_batch(cfg.data, num_replicas)
+    try:
+        schedules.check(cfg.schedule, total_epochs=cfg.train.epochs)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     profile_window(cfg.profile_steps)  # raises on a malformed window
     if cfg.benchmark.num_warmup_batches < 0:
-        raise ValueError(f"config.benchmark.num_warmup_batches must be >= 0, got {cfg.benchmark.num_warmup_batches}")
+        raise ConfigError(f"config.benchmark.num_warmup_batches must be >= 0, got {cfg.benchmark.num_warmup_batches}")
     if cfg.data.global_batch_size > LARGE_BATCH_WITHOUT_LARS and cfg.optim.name != "lars":
         logging.warning(
             "config.data.global_batch_size=%d exceeds %d with config.optim.name=%r: expect an accuracy "
             "loss; large-batch recipes use LARS (see configs/r50_lars_32k.py)",
             cfg.data.global_batch_size, LARGE_BATCH_WITHOUT_LARS, cfg.optim.name,
+        )
+
+
+def _check_data_source(data_cfg: ml_collections.ConfigDict) -> None:
+    """The dataset and the keys that say where it is must agree; fills data.label_offset=-1."""
+    dataset = data_cfg.dataset
+    if dataset in _SYNTHETIC:
+        for key in ("data_dir", "stage_dir", "tfds_name"):
+            if data_cfg[key]:
+                raise ConfigError(
+                    f"config.data.{key}={data_cfg[key]!r} is set but config.data.dataset={dataset!r} reads no "
+                    f"files: drop the {key} override, or set config.data.dataset='tfrecord' (or 'tfds') to train on it"
+                )
+    elif not data_cfg.data_dir:
+        what = "TFRecord shards" if dataset == "tfrecord" else "a prepared TFDS data_dir"
+        hint = CONVERT_HINT if dataset == "tfrecord" else "prepare it with `tfds build` where the data is"
+        raise ConfigError(f"config.data.dataset={dataset!r} needs config.data.data_dir ({what}): {hint}")
+    elif "://" not in data_cfg.data_dir and not os.path.isdir(data_cfg.data_dir):
+        hint = CONVERT_HINT if dataset == "tfrecord" else "prepare it with `tfds build` where the data is"
+        raise ConfigError(f"config.data.data_dir={data_cfg.data_dir!r} is not a directory: {hint}")
+    if dataset == "tfds":
+        if not data_cfg.tfds_name:
+            raise ConfigError("config.data.dataset='tfds' needs config.data.tfds_name (e.g. imagenet2012)")
+        if data_cfg.stage_dir:
+            raise ConfigError(
+                f"config.data.stage_dir={data_cfg.stage_dir!r} stages TFRecord shards; with "
+                "config.data.dataset='tfds' copy the TFDS data_dir yourself and point data_dir at the copy"
+            )
+    elif data_cfg.tfds_name:
+        raise ConfigError(
+            f"config.data.tfds_name={data_cfg.tfds_name!r} is set but config.data.dataset={dataset!r}: "
+            "set config.data.dataset='tfds' to read it, or drop tfds_name"
+        )
+    if data_cfg.label_offset == -1:
+        data_cfg.label_offset = AUTO_LABEL_OFFSET[dataset]
+    if data_cfg.label_offset < 0:
+        raise ConfigError(f"config.data.label_offset must be >= 0 (or -1: automatic), got {data_cfg.label_offset}")
+    if dataset == "tfds" and data_cfg.label_offset != 0:
+        raise ConfigError(
+            f"config.data.label_offset={data_cfg.label_offset} with config.data.dataset='tfds': TFDS class labels "
+            "are 0-based (ClassLabel), so any offset makes class 0 negative; use 0 (or -1: automatic)"
+        )
+
+
+def _check_per_replica_batch(data_cfg: ml_collections.ConfigDict, num_replicas: int) -> None:
+    """A recipe run on fewer replicas than it was written for would put its whole batch on each."""
+    limit = data_cfg.max_per_replica_batch_size
+    per_replica = data_cfg.global_batch_size // num_replicas
+    if limit and per_replica > limit:
+        written_for = math.ceil(data_cfg.global_batch_size / limit)
+        raise ConfigError(
+            f"this run has {num_replicas} replica(s), so each would take {per_replica} images per step "
+            f"(config.data.global_batch_size={data_cfg.global_batch_size} / {num_replicas}); the recipe was written "
+            f"for {written_for} replicas of config.data.max_per_replica_batch_size={limit}. Run it on "
+            f"{written_for} replicas, or scale it to this run with --config.data.global_batch_size="
+            f"{limit * num_replicas} (the LR follows linearly), or raise config.data.max_per_replica_batch_size "
+            "if your devices hold more"
         )
 
 
@@ -303,19 +396,51 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f"FATAL unknown config key among {overrides}: {' '.join(str(message).split())}")
 
 
+# Recipes shipped inside the package (configs/ in a checkout is a link to them).
+BUNDLED_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def resolve_config_path(path: str) -> str:
+    """`path` when it exists, else the bundled recipe of that name: `r50_32gpu`, `r50_32gpu.py` and
+    `configs/r50_32gpu.py` all find it from any directory once tfscale is installed."""
+    if os.path.exists(path):
+        return path
+    name = os.path.basename(path)
+    bundled = os.path.join(BUNDLED_CONFIG_DIR, name if name.endswith(".py") else name + ".py")
+    in_configs = os.path.dirname(path) in ("", "configs") or os.path.basename(os.path.dirname(path)) == "configs"
+    return bundled if in_configs and os.path.isfile(bundled) else path
+
+
+def resolve_config_arg(arg: str) -> str:
+    """`--config=PATH[:ARG]` with PATH resolved by `resolve_config_path`; other arguments unchanged."""
+    if not arg.startswith("--config="):
+        return arg
+    path, colon, config_arg = arg[len("--config="):].partition(":")
+    return f"--config={resolve_config_path(path)}{colon}{config_arg}"
+
+
 def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_help: str) -> None:
     """Runs a `--config=FILE[:ARG] --workdir=DIR [--config.x.y=v ...]` command: `main(config, workdir)`.
 
     The flags are defined here, when a CLI starts, not at import: modules that import each other
     (the benchmark builds with train's functions) would otherwise define `--config` twice.
     """
-    config = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
+    # The config flag reads sys.argv itself (to find the --config.* overrides), so resolve it there.
+    sys.argv = [resolve_config_arg(arg) for arg in sys.argv]
+    config = config_flags.DEFINE_config_file(
+        "config", None, "Config file (configs/*.py, or the name of a bundled recipe such as r50_32gpu).",
+        lock_config=True,
+    )
     workdir = flags.DEFINE_string("workdir", None, workdir_help)
     flags.mark_flags_as_required(["config", "workdir"])
 
     def app_main(argv):
+        logs.configure()  # absl's handler is in place now: make it the only one, TensorFlow's INFO off
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-        main(config.value, workdir.value)
+        try:
+            main(config.value, workdir.value)
+        except ConfigError as err:
+            sys.exit(f"FATAL config error: {err}")
 
     app.run(app_main, flags_parser=parse_flags)

@@ -5,9 +5,10 @@ topology (rank, size, replicas, chief) and the strategy to run steps with. Rank 
 through `Cluster.is_chief`, so there is one definition of "the process that writes files".
 
 Multi-worker jobs (`mwms`, MultiWorkerMirroredStrategy) take their cluster from, in order:
-an explicit TF_CONFIG; a Slurm allocation (SLURM_PROCID / SLURM_NTASKS / SLURM_JOB_NODELIST /
-SLURM_TASKS_PER_NODE, ports from `distribute.port_base`); `python -m tfscale.launch`, which writes a
-TF_CONFIG. Users' top complaint about MWMS is jobs that hang, so setup never waits unboundedly:
+an explicit TF_CONFIG; the Slurm step the task belongs to (SLURM_PROCID and the step's
+SLURM_STEP_NODELIST / SLURM_STEP_TASKS_PER_NODE / SLURM_STEP_NUM_TASKS before the job's, ports from
+`distribute.port_base` or the job and step ids); `python -m tfscale.launch`, which writes a TF_CONFIG.
+Users' top complaint about MWMS is jobs that hang, so setup never waits unboundedly:
   * a watchdog process names the workers that did not answer and kills the worker (exit 137) when
     the cluster is not up within `connect_timeout_s` (TensorFlow itself would wait forever);
   * a pre-flight all-reduce proves every worker answers before any real work;
@@ -39,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfscale import logs
 from tfscale.config import BACKENDS, HOROVOD_INSTALL_HINT
 
 
@@ -229,32 +231,98 @@ def _expand_ranges(ranges: str, hostlist: str) -> list[str]:
 
 
 def expand_tasks_per_node(tasks_per_node: str) -> list[int]:
-    """SLURM_TASKS_PER_NODE '2(x3),1' -> [2, 2, 2, 1]."""
+    """SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE '2(x3),1' -> [2, 2, 2, 1]."""
     counts = []
     for part in tasks_per_node.split(","):
         count, _, repeat = part.partition("(x")
+        if not count.isdigit() or not (repeat.rstrip(")") or "1").isdigit():
+            raise ValueError(f"tasks per node {tasks_per_node!r}: {part!r} is not like 2 or 2(x3)")
         counts += [int(count)] * int(repeat.rstrip(")") or 1)
     return counts
 
 
+# A Slurm task's view of the cluster it belongs to, step-level variables first. srun sets the
+# SLURM_STEP_* ones for the tasks it starts; the job-level ones describe the whole allocation, which
+# an `srun -n 2` inside a 4-task allocation uses only part of (TensorFlow's SlurmClusterResolver
+# reads the step's too). The job-level ones remain for steps started by other means.
+# SLURM_PROCID and SLURM_LOCALID are already per step: the rank within the step, and among the
+# step's tasks on this node.
+_SLURM_NODELIST_KEYS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+_SLURM_TASKS_PER_NODE_KEYS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+_SLURM_NUM_TASKS_KEYS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+
+# Default MWMS ports of a Slurm step: a block of ports in 20000-39999 (tools/slurm_testbed.sh keeps
+# its daemons above), one port per task on a node. The block depends on the job id AND the step id:
+# two steps of one job running at once on a node (`srun -n 2 ... & srun -n 2 ... &`) would
+# otherwise both bind base+0, base+1. Blocks are PORTS_PER_SLURM_STEP wide, so jobs with nearby ids
+# (consecutive submissions, likely neighbours on a shared node) do not overlap either, as they did
+# with a base of 20000 + job id: steps 0-3 of jobs whose ids differ by less than 625 get disjoint
+# blocks. A step with more tasks on a node than a block holds spills into the next block; give such
+# layouts an explicit distribute.port_base.
+SLURM_PORT_RANGE = (20000, 40000)  # [first, end)
+PORTS_PER_SLURM_STEP = 8  # tasks per node a block holds: one per GPU of an 8-GPU node
+CONCURRENT_SLURM_STEPS = 4  # steps of one job that get disjoint blocks
+
+
+def _first_present(env: dict, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(key, value) of the first of `keys` set in `env`, or None."""
+    return next(((key, env[key]) for key in keys if key in env), None)
+
+
+def slurm_num_tasks(env: dict) -> int:
+    """Tasks of this Slurm step (SLURM_STEP_NUM_TASKS), else of the job (SLURM_NTASKS); 1 outside Slurm."""
+    found = _first_present(env, _SLURM_NUM_TASKS_KEYS)
+    return int(found[1]) if found else 1
+
+
+def slurm_port_base(env: dict) -> int:
+    """The first MWMS port of this Slurm step on every node (see SLURM_PORT_RANGE above for why)."""
+    first, end = SLURM_PORT_RANGE
+    num_blocks = (end - first) // PORTS_PER_SLURM_STEP
+    job_id = int(env.get("SLURM_JOB_ID", "0"))
+    step_id = int(env.get("SLURM_STEP_ID", "0"))
+    block = (job_id * CONCURRENT_SLURM_STEPS + step_id % CONCURRENT_SLURM_STEPS) % num_blocks
+    return first + block * PORTS_PER_SLURM_STEP
+
+
 def slurm_tf_config(env: dict, port_base: int) -> dict:
-    """A TF_CONFIG for Slurm's default block distribution: task i runs on the node holding slot i."""
-    hosts = expand_hostlist(env["SLURM_JOB_NODELIST"])
-    counts = expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
+    """A TF_CONFIG for this task's Slurm step, in Slurm's default block distribution (task i runs on the
+    node holding slot i), or a ValueError naming the variables that disagree.
+
+    Step-level variables are read before job-level ones (see _SLURM_NODELIST_KEYS). Worker j on a
+    node listens on `port_base + j`; port_base 0 derives it from the job and step ids (`slurm_port_base`).
+    """
+    hosts_key, hostlist = _required_slurm_var(env, _SLURM_NODELIST_KEYS)
+    counts_key, tasks_per_node = _required_slurm_var(env, _SLURM_TASKS_PER_NODE_KEYS)
+    tasks_key, num_tasks = _required_slurm_var(env, _SLURM_NUM_TASKS_KEYS)
+    _, proc_id = _required_slurm_var(env, ("SLURM_PROCID",))
+    hosts, counts = expand_hostlist(hostlist), expand_tasks_per_node(tasks_per_node)
     if len(hosts) != len(counts):
-        raise ValueError(f"SLURM_JOB_NODELIST has {len(hosts)} hosts but SLURM_TASKS_PER_NODE describes {len(counts)}")
-    if not port_base:
-        # A different base per job, so two jobs sharing a node do not collide.
-        port_base = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        raise ValueError(f"{hosts_key}={hostlist} has {len(hosts)} hosts but {counts_key}={tasks_per_node} "
+                         f"describes {len(counts)}")
+    port_base = port_base or slurm_port_base(env)
     workers = [f"{host}:{port_base + local}" for host, count in zip(hosts, counts) for local in range(count)]
-    num_tasks = int(env["SLURM_NTASKS"])
-    if len(workers) != num_tasks:
-        raise ValueError(f"SLURM_NTASKS={num_tasks} but the node list holds {len(workers)} task slots")
-    return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": int(env["SLURM_PROCID"])}}
+    if len(workers) != int(num_tasks):
+        raise ValueError(f"{tasks_key}={num_tasks} but {hosts_key} / {counts_key} hold {len(workers)} task slots")
+    if not 0 <= int(proc_id) < len(workers):
+        raise ValueError(f"SLURM_PROCID={proc_id} is not a rank of the {len(workers)} tasks in {tasks_key}")
+    return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": int(proc_id)}}
+
+
+def _required_slurm_var(env: dict, keys: tuple[str, ...]) -> tuple[str, str]:
+    found = _first_present(env, keys)
+    if found is None:
+        raise ValueError(f"a Slurm task with SLURM_NTASKS/SLURM_STEP_NUM_TASKS > 1 but none of {', '.join(keys)} "
+                         "is set: start the workers with srun, or give TF_CONFIG")
+    return found
 
 
 def local_rank_from_env(env: dict) -> int:
-    """This process's index on its host, from whichever launcher started it."""
+    """This process's index on its host, from whichever launcher started it.
+
+    SLURM_LOCALID counts the tasks of this process's srun step on its node: the right index for an
+    `srun -n 2` in a larger allocation too.
+    """
     for key in ("TFSCALE_LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK"):
         if key in env:
             return int(env[key])
@@ -262,10 +330,19 @@ def local_rank_from_env(env: dict) -> int:
 
 
 def _resolve_tf_config(dist_cfg: ml_collections.ConfigDict, env: dict) -> dict | None:
+    """An explicit TF_CONFIG; else the Slurm step's cluster when it has several tasks; else None (one worker)."""
     if "TF_CONFIG" in env:
         return json.loads(env["TF_CONFIG"])
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return slurm_tf_config(env, dist_cfg.port_base)
+    if slurm_num_tasks(env) > 1 and "SLURM_PROCID" in env:
+        if "SLURM_STEP_NUM_TASKS" not in env:
+            # srun always sets the step's variables: this is likely the batch script itself, one process.
+            logging.warning("no SLURM_STEP_* variables (not started by srun?): expecting the %s tasks of the whole "
+                            "job to join; run the workers with srun", slurm_num_tasks(env))
+        tf_config = slurm_tf_config(env, dist_cfg.port_base)
+        if tf_config["task"]["index"] == 0:  # the same on every task: the chief says it once
+            logging.info("tfscale cluster from Slurm job %s step %s: workers %s", env.get("SLURM_JOB_ID", "?"),
+                         env.get("SLURM_STEP_ID", "?"), ",".join(tf_config["cluster"]["worker"]))
+        return tf_config
     return None
 
 
@@ -498,7 +575,6 @@ def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Clust
         fp16_allreduce=dist_cfg.horovod_fp16_allreduce,
     )
     logging.info(cluster.topology_line())
-    if not cluster.is_chief:
-        logging.set_verbosity(logging.WARNING)  # one topology line per worker; progress from the chief only
-    tf.get_logger().setLevel("WARNING")  # TF logs every collective it traces at INFO
+    # One topology line per worker, then progress from the chief only (warnings and errors from all).
+    logs.gate_workers(cluster.is_chief, log_all_ranks=dist_cfg.log_all_ranks)
     return cluster

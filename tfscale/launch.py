@@ -1,12 +1,13 @@
 """Local multi-process launcher: runs N copies of a Python command as one multi-worker job on this host.
 
-    python -m tfscale.launch --num_workers=2 -- -m tfscale.train --config=configs/smoke.py \
-        --workdir=runs/x --config.distribute.backend=mwms
+    python -m tfscale.launch --num_workers=2 [--backend=mwms|horovod] -- -m tfscale.train \
+        --config=configs/smoke.py --workdir=runs/x
 
 Each worker is `sys.executable <args after -->` with the cluster environment its backend reads:
 `TF_CONFIG` on free loopback ports for MultiWorkerMirroredStrategy (`mwms`), or the Gloo rendezvous
 variables horovodrun sets for a single-host job (`horovod`, with horovodrun's rendezvous HTTP server
-running inside this process). Every worker also gets `TFSCALE_LOCAL_RANK/SIZE` and thread limits.
+running inside this process). Every worker also gets `TFSCALE_LOCAL_RANK/SIZE` and thread limits, and
+`-m tfscale.train` / `-m tfscale.benchmark` get `--config.distribute.backend` set to the same backend.
 
 The launcher is a supervisor, not a trainer: it never imports TensorFlow (seconds and hundreds of MB
 per launch for nothing). It prefixes worker output with `[rank r] `, forwards SIGINT/SIGTERM (Slurm
@@ -360,6 +361,28 @@ def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
         proc.wait()
 
 
+# Programs whose config has `distribute.backend`: the launcher sets it to match the environment it builds.
+_TFSCALE_PROGRAMS = ("tfscale.train", "tfscale.benchmark")
+
+
+def with_backend(argv: list[str], backend: str) -> list[str]:
+    """`argv` with `--config.distribute.backend=BACKEND` added for tfscale's own programs.
+
+    The launcher's --backend decides the environment (TF_CONFIG or a Gloo rendezvous), so the config
+    must say the same; an explicit override that contradicts it is an error, not a silent winner.
+    """
+    if not (len(argv) >= 2 and argv[0] == "-m" and argv[1] in _TFSCALE_PROGRAMS):
+        return list(argv)
+    prefix = "--config.distribute.backend="
+    given = [arg[len(prefix):] for arg in argv if arg.startswith(prefix)]
+    if given and given[-1] != backend:
+        raise ValueError(
+            f"--backend={backend} but the worker command says {prefix}{given[-1]}: drop the override "
+            f"(the launcher sets it) or launch with --backend={given[-1]}"
+        )
+    return list(argv) if given else [*argv, prefix + backend]
+
+
 def launch(
     argv: list[str],
     *,
@@ -385,6 +408,7 @@ def launch(
     if threads_per_worker is not None and threads_per_worker < 1:
         raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
     threads = threads_per_worker or default_threads_per_worker(num_workers)
+    argv = with_backend(argv, backend)
     base_env = dict(os.environ if env is None else env)
     # Resolved now, not at import: callers (and pytest's capture) may have replaced the streams.
     out, err = sys.stdout, sys.stderr
@@ -470,6 +494,9 @@ def main(argv: Sequence[str]) -> int:
     except LaunchError as err:
         _say(f"error: {err}")
         return 1
+    except ValueError as err:  # arguments that contradict each other; nothing was started
+        _say(f"error: {err}")
+        return 2
 
 
 def run() -> None:

@@ -10,6 +10,10 @@ Why a custom loop: Keras 3 `model.fit` fails under MultiWorkerMirroredStrategy (
 
 from __future__ import annotations
 
+from tfscale import logs
+
+logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
+
 import contextlib
 import json
 import math
@@ -28,7 +32,7 @@ from absl import logging
 
 from tfscale import callbacks as tfs_callbacks
 from tfscale import config as tfs_config
-from tfscale import distribute, models, optim, schedules
+from tfscale import distribute, init_from, models, optim, schedules
 from tfscale.data import pipeline
 
 # Exit code after SIGTERM: the checkpoint is saved, rerun the same command (requeue) to resume.
@@ -301,6 +305,8 @@ def _run(cfg, workdir, cluster, steps: tfs_config.Steps, extra_callbacks, stop_r
         checkpoint.restore(latest).assert_existing_objects_matched()
         restored_step = int(global_step.numpy())
         logging.info("resumed from %s at step %d", latest, restored_step)
+    else:  # config.model.init_from applies to a fresh run only: resuming wins over it
+        init_from.apply(cfg, model, build_model)
     # Horovod ranks each initialised (or restored) on their own: start from the chief's state.
     cluster.broadcast_from_chief([*model.variables, *optimizer.variables, global_step])
     start_step = int(global_step.numpy())

@@ -1,14 +1,16 @@
 """ResNet-50 v1.5 with LARS at a 32k global batch: the MLPerf-style large-batch recipe.
 
-    python -m tfscale.train --config=configs/r50_lars_32k.py --workdir=runs/r50_lars_32k
+    python -m tfscale.train --config=configs/r50_lars_32k.py --workdir=runs/r50_lars_32k \
+        --config.data.data_dir=/path/to/imagenet-tfrecords     # one task per GPU, 256 GPUs
 
+Reads ImageNet-1k TFRecord shards from `data.data_dir` (required; see r50_1gpu.py for the layout).
 LARS (You et al. 2017; trust coefficient 0.001, BN and biases excluded from adaptation and decay),
 momentum 0.9, label smoothing 0.1, linear warmup from 0 over 5 epochs, then polynomial (power 2)
 decay to 1e-4 over the remaining epochs, 1000 classes at 224x224. The base LR grows with the batch
 through the linked `optim.lr` (0.2265625 per 256 images = 29.0 at 32,768). LARS recipes are tuned
 per batch size and epoch budget (MLPerf submissions sweep base LR, warmup and epochs): treat these
 values as the starting point, and expect ~75.9% top-1 (the MLPerf target) only after such tuning.
-Needs 32,768 / replicas images per replica, e.g. 256 GPUs x 128.
+Written for 256 GPUs x 128 images; fewer replicas are refused unless the batch is scaled down.
 """
 
 from tfscale.config import base_config
@@ -19,7 +21,9 @@ def get_config():
     c.model.name = "resnet50"
     c.data.image_size = 224
     c.data.num_classes = 1000
+    c.data.dataset = "tfrecord"
     c.data.global_batch_size = 32_768
+    c.data.max_per_replica_batch_size = 128
     c.optim.name = "lars"
     c.optim.lr_per_256 = 0.2265625  # -> lr 29.0 at 32,768
     c.optim.momentum = 0.9
