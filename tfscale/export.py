@@ -1,0 +1,368 @@
+r"""Export a trained run for inference: a Keras model, a SavedModel serving encoded images, labels.
+
+    python -m tfscale.export --workdir=runs/digits [--output_dir=runs/digits/export] \
+        [--checkpoint=runs/digits/checkpoints/ckpt-330]
+
+Rebuilds the model from `W/config.json`, restores the model weights of the latest checkpoint in
+`W/checkpoints` (or `--checkpoint`) and writes into the output directory (default `W/export`):
+
+  model.keras    Keras 3 model: uint8 images [N, S, S, 3] (0-255 RGB, already preprocessed) -> float32
+                 logits. Plain Keras: `keras.models.load_model` reads it without tfscale installed
+                 (tfscale's normalisation layer is saved as `keras.layers.Normalization`, bit-identical).
+  saved_model/   TensorFlow SavedModel; signature `serving_default` takes `images`, a tf.string [N] of
+                 encoded JPEG/PNG/BMP/GIF files, and returns float32 `probabilities` [N, C] and `logits`,
+                 int32 `top5_ids` and float32 `top5_probabilities` [N, min(5, C)], plus tf.string
+                 `top5_classes` and `top5_texts` when class names are known. tfscale's eval preprocessing
+                 (`data.preprocess.eval_preprocess` with the run's image size, augment and crop) runs
+                 inside, so `tf.saved_model.load` alone serves it: no tfscale, no Python preprocessing.
+  labels.txt     one class name per line, line i = class id i (when class names are known).
+  export.json    config, checkpoint and step, the run's eval metrics (summary.json), class names,
+                 preprocessing, versions, and the paths of the artefacts.
+
+Class names come from the conversion manifest of the training shards (`data.data_dir`); synthetic
+data or shards without a manifest export without them (export.json says why). The exported graph is
+float32 whatever precision the run trained in, and channels_last with plain BatchNormalization (same
+weights), so it serves on CPUs. The output directory is replaced only when it holds an earlier export
+(or nothing), and only once the new export is complete: that is built in a temporary directory next
+to it and renamed into place. A single-process tool: run it once, not under tfscale.launch.
+"""
+
+from __future__ import annotations
+
+from tfscale import logs
+
+logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from typing import NamedTuple
+
+import keras
+import ml_collections
+import numpy as np
+import tensorflow as tf
+from absl import app, flags, logging
+
+import tfscale
+from tfscale import init_from, models, train
+from tfscale.data import convert as convert_lib
+from tfscale.data import preprocess
+
+SIGNATURE = "serving_default"
+KERAS_FILE = "model.keras"
+SAVED_MODEL_DIR = "saved_model"
+LABELS_FILE = "labels.txt"
+EXPORT_JSON = "export.json"
+_TOP_K = 5
+
+
+class ClassNames(NamedTuple):
+    """Names of the model's outputs (names[i] is class id i), or None with the reason in `source`."""
+
+    names: list[str] | None
+    texts: list[str] | None
+    source: str
+
+
+# --- the model --------------------------------------------------------------------------------------
+
+
+def _inference_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`cfg` with the training-only model choices undone; the variables keep their shapes.
+
+    channels_first convolutions do not run on CPUs, and synchronized BatchNormalization only matters
+    for training batch statistics.
+    """
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    cfg.model.data_format = "channels_last"
+    cfg.model.sync_bn = False
+    return cfg
+
+
+def restore_for_inference(workdir: str, checkpoint: str | None = None) -> init_from.RestoredRun:
+    """The run's model in float32, channels_last, with the checkpoint's weights; `cfg` is the run's own.
+
+    The checkpoint is restored into the model as trained (a checkpoint addresses layers by their
+    position, which channels_first's extra transpose shifts), then copied by layer name.
+    """
+    with train.precision_policy("float32"):
+        run = init_from.restore_run(workdir, train.build_model, checkpoint)
+        model = train.build_model(_inference_config(run.cfg))
+        init_from.load_weights(model, init_from.model_weights(run.model), skip_head=False, where=run.checkpoint)
+    return run._replace(model=model)
+
+
+def _variance_with_exact_sqrt(stddev: float) -> float:
+    """A float32 variance whose float32 square root is exactly float32(stddev).
+
+    keras.layers.Normalization divides by sqrt(variance); with this variance it divides by the very
+    same float32 as tfscale's ImageNormalization, so the two layers give identical outputs.
+    """
+    target = np.float32(stddev)
+    variance = np.float32(np.float64(target) ** 2)
+    for _ in range(16):  # the rounded square lands within an ulp or two of the right value
+        root = np.sqrt(variance)
+        if root == target:
+            return float(variance)
+        variance = np.nextafter(variance, np.float32(np.inf) if root < target else np.float32(0))
+    raise ValueError(f"no float32 variance has the square root {target}")
+
+
+def core_keras_model(model: keras.Model) -> keras.Model:
+    """A copy of `model` made of Keras core layers only, with the same weights and outputs."""
+
+    def clone_layer(layer):
+        if isinstance(layer, models.ImageNormalization):
+            return keras.layers.Normalization(
+                mean=list(layer.mean_rgb), variance=[_variance_with_exact_sqrt(s) for s in layer.stddev_rgb],
+                name=layer.name,
+            )
+        return layer.__class__.from_config(layer.get_config())
+
+    clone = keras.models.clone_model(model, clone_function=clone_layer)
+    for layer in model.layers:
+        clone.get_layer(layer.name).set_weights(layer.get_weights())
+    return clone
+
+
+def _check_same_outputs(model: keras.Model, clone: keras.Model, image_size: int) -> None:
+    """The core-layer copy must compute exactly what the trained model computes."""
+    probe = np.random.default_rng(0).integers(0, 256, size=(2, image_size, image_size, 3), dtype=np.uint8)
+    expected = model(probe, training=False).numpy()
+    got = clone(probe, training=False).numpy()
+    if not np.array_equal(expected, got):
+        raise AssertionError(f"the core-Keras copy of the model differs by up to {np.abs(expected - got).max()}")
+
+
+# --- class names ------------------------------------------------------------------------------------
+
+
+def class_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
+    """Output names from the training shards' manifest; None (and why) when there are none."""
+    if data_cfg.dataset != "tfrecord":
+        return ClassNames(None, None, f"none: config.data.dataset={data_cfg.dataset!r} has no class names")
+    where = f"conversion manifest of split {data_cfg.train_split!r} in {data_cfg.data_dir}"
+    if not tf.io.gfile.isdir(data_cfg.data_dir):
+        return ClassNames(None, None, f"none: config.data.data_dir={data_cfg.data_dir!r} is not a directory here")
+    manifest = convert_lib.read_manifest(data_cfg.data_dir, data_cfg.train_split)
+    if manifest is None:
+        return ClassNames(None, None, f"none: no {where} (shards from another tool)")
+    classes = manifest["classes"]
+    texts = manifest.get("class_texts") or classes
+    stored_labels = manifest.get("class_labels") or [i + manifest["label_offset"] for i in range(len(classes))]
+    by_label = {label: (name, text) for label, name, text in zip(stored_labels, classes, texts)}
+    # Output i of the model was trained on stored label i + label_offset.
+    wanted = [i + data_cfg.label_offset for i in range(data_cfg.num_classes)]
+    missing = [label for label in wanted if label not in by_label]
+    if missing:
+        return ClassNames(None, None, f"none: the {where} has no class for stored label {missing[0]}")
+    return ClassNames([by_label[label][0] for label in wanted], [by_label[label][1] for label in wanted], where)
+
+
+# --- the SavedModel ---------------------------------------------------------------------------------
+
+
+def serving_function(model: keras.Model, data_cfg: ml_collections.ConfigDict, names: ClassNames):
+    """tf.function: encoded images tf.string [N] -> the outputs listed in the module docstring."""
+    image_size = data_cfg.image_size
+    top_k = min(_TOP_K, data_cfg.num_classes)
+
+    def preprocess_one(encoded):
+        # Exactly what the eval input pipeline does to each example (data/pipeline.py eval_input_fn).
+        return preprocess.eval_preprocess(
+            encoded, image_size=image_size, augment=data_cfg.augment, crop_fraction=data_cfg.eval_crop_fraction
+        )
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="images")])
+    def serve(images):
+        pixels = tf.map_fn(preprocess_one, images,
+                           fn_output_signature=tf.TensorSpec([image_size, image_size, 3], tf.uint8))
+        logits = tf.cast(model(pixels, training=False), tf.float32)
+        probabilities = tf.nn.softmax(logits)
+        top = tf.math.top_k(probabilities, k=top_k)
+        outputs = {"probabilities": probabilities, "logits": logits, "top5_ids": top.indices,
+                   "top5_probabilities": top.values}
+        if names.names is not None:
+            outputs["top5_classes"] = tf.gather(tf.constant(names.names), top.indices)
+            outputs["top5_texts"] = tf.gather(tf.constant(names.texts), top.indices)
+        return outputs
+
+    return serve
+
+
+def write_saved_model(model: keras.Model, data_cfg: ml_collections.ConfigDict, names: ClassNames, path: str) -> None:
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    archive.add_endpoint(SIGNATURE, serving_function(model, data_cfg, names))
+    archive.write_out(path, verbose=False)
+
+
+# --- export.json ------------------------------------------------------------------------------------
+
+
+def _run_metrics(workdir: str, step: int) -> dict | None:
+    """The run's final eval metrics from summary.json, or None when there is none."""
+    path = os.path.join(workdir, "summary.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        summary = json.load(f)
+    metrics = {key: summary[key] for key in ("eval_top1", "eval_top5", "eval_loss") if key in summary}
+    metrics["step"] = summary.get("steps")
+    if metrics["step"] != step:
+        logging.warning("summary.json's metrics are of step %s, the exported checkpoint is of step %d",
+                        metrics["step"], step)
+    return metrics
+
+
+def _versions() -> dict:
+    return {"tensorflow": tf.__version__, "keras": keras.__version__, "python": platform.python_version(),
+            "tfscale": tfscale.__version__}
+
+
+def export_info(run: init_from.RestoredRun, workdir: str, output_dir: str, names: ClassNames) -> dict:
+    """The contents of export.json."""
+    cfg = run.cfg
+    outputs = {
+        "probabilities": f"float32 [N, {cfg.data.num_classes}] softmax",
+        "logits": f"float32 [N, {cfg.data.num_classes}]",
+        "top5_ids": f"int32 [N, {min(_TOP_K, cfg.data.num_classes)}] class ids, most probable first",
+        "top5_probabilities": "float32, the probabilities of top5_ids",
+    }
+    if names.names is not None:
+        outputs["top5_classes"] = "string, class names of top5_ids (labels.txt)"
+        outputs["top5_texts"] = "string, class descriptions of top5_ids"
+    return {
+        "workdir": os.path.abspath(workdir),
+        "checkpoint": os.path.abspath(run.checkpoint),
+        "step": run.step,
+        "eval_metrics": _run_metrics(workdir, run.step),
+        "num_classes": cfg.data.num_classes,
+        "class_names": names.names,
+        "class_texts": names.texts,
+        "class_names_source": names.source,
+        "preprocessing": {
+            "function": "tfscale.data.preprocess.eval_preprocess (inside the SavedModel)",
+            "image_size": cfg.data.image_size, "augment": cfg.data.augment,
+            "eval_crop_fraction": cfg.data.eval_crop_fraction,
+            **({"note": f"config.data.dataset={cfg.data.dataset!r}: training generated pixels directly, "
+                        "without this preprocessing"} if cfg.data.dataset.startswith("synthetic") else {}),
+        },
+        "precision": {"trained": cfg.precision, "exported": "float32"},
+        "serving": {"signature": SIGNATURE, "inputs": {"images": "string [N], encoded JPEG/PNG/BMP/GIF files"},
+                    "outputs": outputs},
+        "keras_model": {"input": f"uint8 [N, {cfg.data.image_size}, {cfg.data.image_size}, 3] preprocessed images",
+                        "output": "float32 logits", "needs_tfscale": False},
+        "artifacts": {
+            "keras_model": os.path.join(output_dir, KERAS_FILE),
+            "saved_model": os.path.join(output_dir, SAVED_MODEL_DIR),
+            "labels": os.path.join(output_dir, LABELS_FILE) if names.names is not None else None,
+            "export_json": os.path.join(output_dir, EXPORT_JSON),
+        },
+        "versions": _versions(),
+        "config": cfg.to_dict(),
+        "created_unix_s": round(time.time(), 3),
+    }
+
+
+# --- writing ----------------------------------------------------------------------------------------
+
+
+def _write_artifacts(run: init_from.RestoredRun, names: ClassNames, info: dict, directory: str) -> None:
+    clone = core_keras_model(run.model)
+    _check_same_outputs(run.model, clone, run.cfg.data.image_size)
+    clone.save(os.path.join(directory, KERAS_FILE))
+    write_saved_model(run.model, run.cfg.data, names, os.path.join(directory, SAVED_MODEL_DIR))
+    if names.names is not None:
+        with open(os.path.join(directory, LABELS_FILE), "w", encoding="utf-8") as f:
+            f.writelines(name + "\n" for name in names.names)
+    with open(os.path.join(directory, EXPORT_JSON), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)
+        f.write("\n")
+
+
+def _check_replaceable(output_dir: str, workdir: str) -> None:
+    """Only an earlier export may be replaced: `--output_dir` pointing at anything else is a typo."""
+    if output_dir == workdir or workdir.startswith(output_dir + os.sep):
+        raise ValueError(f"output_dir {output_dir} would replace the training workdir {workdir}")
+    is_export = os.path.exists(os.path.join(output_dir, EXPORT_JSON))
+    if os.path.exists(output_dir) and os.listdir(output_dir) and not is_export:
+        raise FileExistsError(f"output_dir {output_dir} exists and is not a tfscale export (no {EXPORT_JSON}); "
+                              "refusing to replace it")
+
+
+def _replace_directory(new_dir: str, output_dir: str) -> None:
+    """Moves the finished `new_dir` to `output_dir`; a previous export there is removed only afterwards."""
+    old_dir = None
+    if os.path.exists(output_dir):
+        old_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.old-", dir=os.path.dirname(output_dir))
+        os.replace(output_dir, os.path.join(old_dir, "export"))
+    os.replace(new_dir, output_dir)
+    if old_dir:
+        shutil.rmtree(old_dir, ignore_errors=True)
+
+
+def export(workdir: str, output_dir: str | None = None, checkpoint: str | None = None) -> dict:
+    """Exports the run in `workdir` into `output_dir` (default `workdir/export`); returns export.json's contents."""
+    workdir = os.path.abspath(workdir)
+    output_dir = os.path.abspath(output_dir or os.path.join(workdir, "export"))
+    _check_replaceable(output_dir, workdir)
+    run = restore_for_inference(workdir, checkpoint)
+    names = class_names(run.cfg.data)
+    if names.names is None:
+        logging.warning("exporting without class names: %s", names.source)
+    info = export_info(run, workdir, output_dir, names)
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    # Same file system as output_dir, so the final rename is atomic; removed on any failure.
+    scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
+    try:
+        with train.precision_policy("float32"):
+            _write_artifacts(run, names, info, scratch)
+        _replace_directory(scratch, output_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    logging.info("exported step %d of %s to %s", run.step, workdir, output_dir)
+    return info
+
+
+# --- CLI --------------------------------------------------------------------------------------------
+
+
+def _define_flags() -> None:
+    if "output_dir" in flags.FLAGS:  # another tool in this process defined them already
+        return
+    flags.DEFINE_string("workdir", None, "Training workdir (config.json, checkpoints/, summary.json).")
+    flags.DEFINE_string("output_dir", None, "Where to write the export (default: WORKDIR/export); replaced "
+                        "as a whole when the new export is complete.")
+    flags.DEFINE_string("checkpoint", None, "Checkpoint prefix to export (default: the latest in WORKDIR/checkpoints).")
+    flags.mark_flags_as_required(["workdir"])
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    logs.configure()
+    f = flags.FLAGS
+    try:
+        info = export(f.workdir, f.output_dir, f.checkpoint)
+    except (ValueError, OSError, tf.errors.OpError) as err:  # bad input: one clear line, no traceback
+        logging.error("%s", err)
+        return 1
+    print(json.dumps({"output_dir": os.path.dirname(info["artifacts"]["export_json"]), "step": info["step"],
+                      "eval_metrics": info["eval_metrics"], "class_names": info["class_names_source"]}))
+    return 0
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Entry point of `tfscale-export` and `python -m tfscale.export`."""
+    _define_flags()
+    app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+    run()
