@@ -141,7 +141,7 @@ def test_class_tree_shards_features_and_labels(converted, tree_dir):
     out, manifest = converted
     root, _ = tree_dir
     names = [f"train-0000{i}-of-00004" for i in range(4)]
-    assert sorted(os.listdir(out)) == names + ["train-manifest.json"]  # no temp or state files left
+    assert sorted(os.listdir(out)) == ["manifest-train.json"] + names  # no temp or state files left
     bytes_keys = {"image/encoded", "image/format", "image/colorspace", "image/class/synset", "image/class/text",
                   "image/filename"}
     expected_texts = {"n01": b"first class, the one", "n02": b"second class", "n03": b"n03"}
@@ -189,13 +189,13 @@ def test_classic_imagenet_parser_reads_the_shards(converted):
 def test_manifest_matches_files_on_disk(converted, tree_dir):
     out, manifest = converted
     root, _ = tree_dir
-    with open(os.path.join(out, "train-manifest.json")) as f:
+    with open(os.path.join(out, "manifest-train.json")) as f:
         assert json.load(f) == manifest
     assert convert.read_manifest(out, "train") == manifest
     assert convert.read_manifest(out, "validation") is None
     assert manifest["split"] == "train" and manifest["num_shards"] == 4 and manifest["num_examples"] == 31
     assert manifest["num_classes"] == 3 and manifest["label_offset"] == 1
-    assert manifest["classes"] == list(CLASSES)
+    assert manifest["classes"] == list(CLASSES) and manifest["class_labels"] == [1, 2, 3]
     assert manifest["class_texts"] == ["first class, the one", "second class", "n03"]
     assert manifest["skipped"] == [] and manifest["resize_shorter"] == 0 and manifest["seed"] == 0
     assert manifest["tool_version"] and manifest["input_dir"] == root
@@ -219,6 +219,75 @@ def test_class_order_file_sets_labels(tree_dir, tmp_path):
     order.write_text("n01\nn03\n")
     with pytest.raises(ValueError, match=r"order\.txt: n02"):
         convert.convert(root, tmp_path / "out2", "train", 1, class_order_file=str(order), num_workers=1)
+
+
+@pytest.mark.parametrize("form", ["class_tree", "class_order_file", "labels_file", "labels_and_order_files"])
+def test_manifest_classes_are_in_stored_label_order_for_every_input_form(photos, tmp_path, form):
+    """classes[label - label_offset] is the image's class, and class_labels says that label, however classes came."""
+    truth = {f"im{i:02d}.jpg": ("n_zebra", "n_apple", "n_mango")[i % 3] for i in range(9)}
+    if form.startswith("labels"):
+        root = tmp_path / "flat"
+        root.mkdir()
+        for i, fname in enumerate(truth):
+            photo_crop(photos, 40 + i).save(root / fname, "JPEG", quality=90)
+        labels = tmp_path / "labels.txt"
+        labels.write_text("".join(truth[f] + "\n" for f in sorted(truth)))
+    else:
+        root = tmp_path / "tree"
+        for i, (fname, synset) in enumerate(truth.items()):
+            (root / synset).mkdir(parents=True, exist_ok=True)
+            photo_crop(photos, 40 + i).save(root / synset / fname, "JPEG", quality=90)
+        labels = None
+    order = None
+    if "order" in form:
+        order = tmp_path / "order.txt"
+        order.write_text("n_mango\nn_unused\nn_zebra\nn_apple\n")
+    manifest = convert.convert(root, tmp_path / "out", "train", 2, labels_file=labels and str(labels),
+                               class_order_file=order and str(order), num_workers=1)
+    expected = ["n_mango", "n_unused", "n_zebra", "n_apple"] if order else ["n_apple", "n_mango", "n_zebra"]
+    assert manifest["classes"] == expected and manifest["num_classes"] == len(expected)
+    offset = manifest["label_offset"]
+    assert manifest["class_labels"] == [i + offset for i in range(len(expected))]
+    assert convert.read_manifest(tmp_path / "out", "train")["classes"] == expected  # what export reads
+    seen = 0
+    for shard in manifest["shards"]:
+        for ex in read_examples(tmp_path / "out" / shard["name"]):
+            label = feature_value(ex, "image/class/label")
+            synset = truth[feature_value(ex, "image/filename").decode()]
+            assert feature_value(ex, "image/class/synset").decode() == synset
+            assert manifest["classes"][label - offset] == synset
+            assert manifest["class_labels"][manifest["classes"].index(synset)] == label
+            assert manifest["class_texts"][label - offset] == feature_value(ex, "image/class/text").decode()
+            seen += 1
+    assert seen == len(truth)
+
+
+def test_legacy_manifest_is_read_and_replaced_by_a_rerun(converted, tree_dir, tmp_path):
+    """Dirs converted by older versions hold `train-manifest.json`: read it; a rerun reuses their shards."""
+    original_dir, original = converted
+    root, text_file = tree_dir
+    out = tmp_path / "out"
+    shutil.copytree(original_dir, out)
+    os.rename(out / "manifest-train.json", out / "train-manifest.json")
+    assert convert.read_manifest(out, "train") == original
+    assert convert.find_manifest(str(out), "train") == str(out / "train-manifest.json")
+    before = file_ids(out)
+
+    manifest = convert.convert(root, out, "train", 4, class_text_file=text_file, num_workers=1)
+    after = file_ids(out)
+    assert all(after[s["name"]] == before[s["name"]] for s in manifest["shards"]), "shards were rewritten"
+    assert sorted(after) == ["manifest-train.json"] + [s["name"] for s in original["shards"]]
+
+
+def test_remove_temp_files_knows_every_temporary_name(tmp_path):
+    ours = [".train-00001-of-00004.tmp-11", ".manifest-train.json.tmp-12", ".train-manifest.json.tmp-13",
+            ".train-convert-state.json.tmp-14"]
+    others = [".validation-00001-of-00004.tmp-11", ".manifest-validation.json.tmp-12", "train-00000-of-00004",
+              ".manifest-train.json", "notes.tmp-1"]
+    for name in ours + others:
+        (tmp_path / name).write_bytes(b"x")
+    assert convert.remove_temp_files(str(tmp_path), "train") == sorted(ours)
+    assert sorted(os.listdir(tmp_path)) == sorted(others)
 
 
 # ----------------------------------------------------------------------------------------- pixels
@@ -367,7 +436,7 @@ def test_shards_of_unknown_origin_are_rewritten_and_other_files_kept(converted, 
     root, text_file = tree_dir
     out = tmp_path / "out"
     shutil.copytree(original_dir, out)
-    os.remove(out / "train-manifest.json")
+    os.remove(out / "manifest-train.json")
     (out / "notes.txt").write_text("mine")
     (out / "validation-00000-of-00001").write_bytes(b"other split")
     (out / "train-00000-of-00002").write_bytes(b"other shard count")
@@ -452,14 +521,14 @@ def test_killed_conversion_resumes(photos, tmp_path):
     proc.wait()
     proc.stderr.close()
     finished = finished_shards()
-    assert 2 <= len(finished) < 16 and not (out / "train-manifest.json").exists()
+    assert 2 <= len(finished) < 16 and not (out / "manifest-train.json").exists()
     # Serially, shard k+1 starts only after shard k is on record; the newest may have missed it.
     recorded = sorted(finished, key=lambda n: finished[n][1])[:-1]
 
     manifest = convert.convert(tmp_path / "in", out, "train", 16, resize_shorter=64, num_workers=1)
     after = file_ids(out)
     assert all(after[n] == finished[n] for n in recorded), "finished shards were rewritten"
-    assert sorted(after) == sorted([f"train-{i:05d}-of-00016" for i in range(16)] + ["train-manifest.json"])
+    assert sorted(after) == sorted([f"train-{i:05d}-of-00016" for i in range(16)] + ["manifest-train.json"])
     reference = convert.convert(tmp_path / "in", tmp_path / "ref", "train", 16, resize_shorter=64, num_workers=1)
     assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in reference["shards"]]
 
@@ -474,7 +543,7 @@ def test_cli_smoke_and_missing_input_dir(tree_dir, tmp_path):
                                  "--num_shards=2", "--num_workers=1"), capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path / "out")) == [
-        "validation-00000-of-00002", "validation-00001-of-00002", "validation-manifest.json"]
+        "manifest-validation.json", "validation-00000-of-00002", "validation-00001-of-00002"]
     assert convert.read_manifest(tmp_path / "out", "validation")["num_examples"] == 31
 
     missing = tmp_path / "no_such_dir"

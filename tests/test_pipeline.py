@@ -371,7 +371,9 @@ def test_manifest_mismatch_names_key_and_both_values(data, key, value, theirs):
         pipeline.prepare_data_dir(cfg, num_train_examples=cfg.num_train_examples,
                                   num_eval_examples=cfg.num_eval_examples)
     message = str(err.value)
-    assert f"config.data.{key}={value}" in message and f"says {theirs}" in message and "manifest.json" in message
+    split = "validation" if key == "num_eval_examples" else "train"
+    assert f"config.data.{key}={value}" in message and f"says {theirs}" in message
+    assert os.path.join(data["six"], f"manifest-{split}.json") in message
 
 
 def test_wrong_label_offset_without_manifest_fails_on_read(classic_dir):
@@ -435,7 +437,8 @@ def test_prepare_data_dir_stages_once(data, tmp_path):
     cfg = data_config(data["six"], stage_dir=local)
     staged = pipeline.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
     assert staged == local
-    expected = sorted(n for n in os.listdir(data["six"]) if "-of-" in n or n.endswith("-manifest.json"))
+    expected = sorted(n for n in os.listdir(data["six"]) if "-of-" in n or n.startswith("manifest-"))
+    assert len(expected) == 6 + 3 + 2
     assert sorted(n for n in os.listdir(local) if not n.startswith(".")) == expected
     for name in expected:
         with open(os.path.join(local, name), "rb") as a, open(os.path.join(data["six"], name), "rb") as b:
@@ -464,7 +467,69 @@ def test_truncated_source_is_not_staged(data, tmp_path):
     with pytest.raises(stage.StageError, match="validation-00001-of-00003.*truncated"):
         pipeline.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
     assert not os.path.exists(os.path.join(local, "validation-00001-of-00003"))
-    assert not os.path.exists(os.path.join(local, "validation-manifest.json"))
+    assert not os.path.exists(os.path.join(local, "manifest-validation.json"))
+
+
+@pytest.fixture(scope="module")
+def eight(data):
+    """The train images in 8 shards, validation in 3: 4 workers read whole train files."""
+    out = str(data["root"] / "eight")
+    manifest = convert.convert(str(data["root"] / "train_images"), out, "train", 8, num_workers=1)
+    convert.convert(str(data["root"] / "eval_images"), out, "validation", 3, num_workers=1)
+    return out, manifest
+
+
+def first_examples(data_dir, rank, workers, n, **overrides):
+    """Digests of the first n training examples worker `rank` reads, in order."""
+    cfg = data_config(data_dir, **overrides)
+    ds = pipeline.train_input_fn(cfg, seed=0, start_step=0)(context(workers, rank))
+    return [digest(images[0]) for images, _ in ds.take(n).as_numpy_iterator()]
+
+
+@pytest.mark.parametrize("scheme,copies,tasks_per_node", [("disjoint", 1, 2), ("overlap", 2, 1)])
+def test_a_nodes_partial_copy_trains_like_the_full_dir(data, eight, tmp_path, scheme, copies, tasks_per_node):
+    """4 workers, T per node: each node stages its workers' train shards; they read exactly what they
+    would read from the full directory, and a worker of another node is told what is missing.
+    (overlap with 2 copies: a node of workers 0 and 1 would need every shard, so one worker per node.)"""
+    src, manifest = eight
+    workers = 4
+    # Whole passes in a fixed order (as in the assignment test), one example per replica.
+    reading = dict(assignment=scheme, overlap_copies=copies, interleave_cycle=1, cache=False, shuffle_buffer=1,
+                   deterministic=True, global_batch_size=workers)
+    for node in range(2):
+        ranks = tuple(range(node * tasks_per_node, (node + 1) * tasks_per_node))
+        local = str(tmp_path / f"node{node}")
+        staged = pipeline.prepare_data_dir(data_config(src, stage_dir=local, **reading), num_train_examples=31,
+                                           num_eval_examples=25, worker_ranks=ranks, num_workers=workers)
+        assert staged == local
+        want = {f"train-{i:05d}-of-00008" for rank in ranks
+                for i in assignment.assign(8, rank=rank, num_workers=workers, scheme=scheme, copies=copies)}
+        assert {n for n in os.listdir(local) if n.startswith("train-")} == want and len(want) < 8
+        for rank in ranks:
+            n = examples_assigned(shard_counts(manifest), rank, workers, scheme, copies)
+            got = first_examples(local, rank, workers, 2 * n, **reading)
+            assert got == first_examples(src, rank, workers, 2 * n, **reading)  # same files, same order
+            assert len(set(got)) == n and set(got) <= set(data["train"])
+        stranger = (node + 1) * tasks_per_node % workers  # the next node's first worker
+        with pytest.raises(FileNotFoundError, match=rf"worker {stranger} of 4 reads are missing in the staged copy"):
+            first_examples(local, stranger, workers, 1, **reading)
+        # Evaluation reads every example, from the eval shards every node holds.
+        batches = eval_batches(data_config(local), global_batch_size=5, num_steps=5)
+        assert sorted(k for k, _ in masked_examples(batches)) == sorted(data["eval"])
+
+
+def test_partial_copy_still_checks_what_it_holds(eight, tmp_path):
+    src, _ = eight
+    local = str(tmp_path / "local")
+    cfg = data_config(src, stage_dir=local)
+    pipeline.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25, worker_ranks=(0,), num_workers=4)
+    assert pipeline.prepare_data_dir(data_config(local), num_train_examples=31, num_eval_examples=25) == local
+    os.remove(os.path.join(local, "validation-00001-of-00003"))  # eval shards are never optional
+    with pytest.raises(FileNotFoundError, match="validation-00001-of-00003"):
+        pipeline.prepare_data_dir(data_config(local), num_train_examples=31, num_eval_examples=25)
+    os.truncate(os.path.join(local, "train-00004-of-00008"), 100)  # a shard it holds, damaged after staging
+    with pytest.raises(ValueError, match="train-00004-of-00008 has 100 bytes"):
+        pipeline.prepare_data_dir(data_config(local), num_train_examples=31, num_eval_examples=25)
 
 
 # --------------------------------------------------------------------------------------------- 7. TFDS

@@ -13,14 +13,15 @@ import sys
 
 import pytest
 
-from tfscale.data import stage
+from tfscale.data import assignment, stage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARD_BYTES = 256 << 10
 
 
-def write_shards(src_dir, split="train", num_shards=4, *, manifest=True, shard_bytes=SHARD_BYTES, seed=0):
-    """Random-byte "shards" (+ a converter-style manifest); {name: content}."""
+def write_shards(src_dir, split="train", num_shards=4, *, manifest=True, shard_bytes=SHARD_BYTES, seed=0,
+                 manifest_name="manifest-{split}.json"):
+    """Random-byte "shards" (+ a converter-style manifest named `manifest_name`); {name: content}."""
     os.makedirs(src_dir, exist_ok=True)
     rng = random.Random(f"{split}-{seed}")
     contents = {}
@@ -32,7 +33,7 @@ def write_shards(src_dir, split="train", num_shards=4, *, manifest=True, shard_b
     if manifest:
         entries = [{"name": n, "num_examples": 10, "bytes": len(c), "sha256": hashlib.sha256(c).hexdigest()}
                    for n, c in contents.items()]
-        with open(os.path.join(src_dir, f"{split}-manifest.json"), "w") as f:
+        with open(os.path.join(src_dir, manifest_name.format(split=split)), "w") as f:
             json.dump({"split": split, "num_examples": 10 * num_shards, "num_shards": num_shards,
                        "shards": entries}, f)
     return contents
@@ -76,7 +77,7 @@ def test_stages_everything_identical_with_manifests(src, tmp_path):
     for name, content in contents.items():
         assert read(os.path.join(dest, name)) == content
     for split in ("train", "validation"):
-        name = f"{split}-manifest.json"
+        name = f"manifest-{split}.json"
         assert read(os.path.join(dest, name)) == read(os.path.join(src_dir, name))
     assert report.dest_dir == dest
     assert (report.files_copied, report.files_skipped) == (6, 0)
@@ -155,11 +156,11 @@ def test_too_little_space_fails_before_copying(src, tmp_path, monkeypatch):
     with pytest.raises(stage.StageError) as e:
         stage.stage(src_dir, dest)
     needed = sum(len(c) for c in contents.values()) + sum(
-        os.path.getsize(os.path.join(src_dir, f"{s}-manifest.json")) for s in ("train", "validation"))
+        os.path.getsize(os.path.join(src_dir, f"manifest-{s}.json")) for s in ("train", "validation"))
     message = str(e.value)
     assert f"needs {needed} bytes" in message and "123456 bytes" in message and dest in message
     assert shard_files(dest) == [] and partial_files(dest) == []
-    assert not any(n.endswith("-manifest.json") for n in os.listdir(dest))
+    assert not any("manifest" in n for n in os.listdir(dest))
 
 
 def test_missing_src_dir_and_missing_listed_shard_are_named(src, tmp_path):
@@ -168,7 +169,7 @@ def test_missing_src_dir_and_missing_listed_shard_are_named(src, tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         stage.stage(str(tmp_path / "nowhere"), dest)
     os.remove(os.path.join(src_dir, "validation-00001-of-00002"))
-    with pytest.raises(FileNotFoundError, match="validation-00001-of-00002 listed in .*validation-manifest.json"):
+    with pytest.raises(FileNotFoundError, match="validation-00001-of-00002 listed in .*manifest-validation.json"):
         stage.stage(src_dir, dest)
 
 
@@ -226,6 +227,137 @@ def test_lock_timeout_is_an_error_not_a_hang(src, tmp_path):
     assert shard_files(dest) == []
 
 
+# ------------------------------------------------------------------------------- manifest names
+
+
+def test_legacy_manifest_names_are_staged_and_verified(tmp_path):
+    """Shard dirs converted by older tfscale versions hold `{split}-manifest.json`: still used as before."""
+    src_dir, dest = str(tmp_path / "shared"), str(tmp_path / "local")
+    contents = {**write_shards(src_dir, "train", 3, manifest_name="{split}-manifest.json"),
+                **write_shards(src_dir, "validation", 1, manifest_name="{split}-manifest.json")}
+    report = stage.stage(src_dir, dest)
+    assert report.files_copied == 4 and shard_files(dest) == sorted(contents)
+    for split in ("train", "validation"):
+        name = f"{split}-manifest.json"
+        assert read(os.path.join(dest, name)) == read(os.path.join(src_dir, name))
+    flip_bytes(os.path.join(src_dir, "train-00001-of-00003"))
+    with pytest.raises(stage.StageError, match="train-00001-of-00003 does not match .*train-manifest.json"):
+        stage.stage(src_dir, str(tmp_path / "local2"))
+    with pytest.raises(stage.StageError, match="train-00001-of-00003"):  # files= finds the legacy manifest too
+        stage.stage(src_dir, str(tmp_path / "local3"), files=["train-00001-of-00003"])
+
+
+def test_staging_a_reconverted_dir_drops_the_legacy_manifest_from_the_copy(tmp_path):
+    """`train*` globs read a leftover `train-manifest.json` in the copy as a shard: it must go."""
+    src_dir, dest = str(tmp_path / "shared"), str(tmp_path / "local")
+    write_shards(src_dir, "train", 2, manifest_name="{split}-manifest.json")
+    stage.stage(src_dir, dest, splits=["train"])
+    assert os.path.exists(os.path.join(dest, "train-manifest.json"))
+    os.rename(os.path.join(src_dir, "train-manifest.json"), os.path.join(src_dir, "manifest-train.json"))
+    stage.stage(src_dir, dest, splits=["train"])
+    assert sorted(n for n in os.listdir(dest) if not n.startswith(".")) == [
+        "manifest-train.json", "train-00000-of-00002", "train-00001-of-00002"]
+
+
+# ------------------------------------------------------------------------- per-node train shards
+
+
+def node_ranks(node, tasks_per_node):
+    """Block distribution, as srun and horovodrun -H host:T lay ranks out."""
+    return tuple(range(node * tasks_per_node, (node + 1) * tasks_per_node))
+
+
+def assigned_train_shards(num_files, ranks, num_workers, scheme, copies=1):
+    """Shard names the workers `ranks` read, straight from tfscale.data.assignment."""
+    indices = set()
+    for rank in ranks:
+        indices.update(assignment.assign(num_files, rank=rank, num_workers=num_workers, scheme=scheme, copies=copies))
+    return {f"train-{i:05d}-of-{num_files:05d}" for i in indices}
+
+
+@pytest.fixture
+def src8(tmp_path):
+    """8 train shards, 2 validation shards, with manifests."""
+    src_dir = str(tmp_path / "shared")
+    contents = {**write_shards(src_dir, "train", 8, shard_bytes=4096), **write_shards(src_dir, "validation", 2)}
+    return src_dir, contents
+
+
+@pytest.mark.parametrize("scheme,copies", [("disjoint", 1), ("overlap", 2), ("overlap", 3)])
+def test_each_node_stages_the_train_shards_of_its_workers_and_every_eval_shard(src8, tmp_path, scheme, copies):
+    src_dir, contents = src8
+    eval_shards = {"validation-00000-of-00002", "validation-00001-of-00002"}
+    staged = []
+    for node in range(2):  # 2 nodes x 2 tasks = 4 workers
+        dest = str(tmp_path / f"node{node}")
+        readers = stage.Readers(node_ranks(node, 2), num_workers=4, scheme=scheme, copies=copies)
+        report = stage.stage(src_dir, dest, readers=readers)
+        want = assigned_train_shards(8, node_ranks(node, 2), 4, scheme, copies)
+        assert set(shard_files(dest)) == want | eval_shards
+        assert report.files_copied == len(want) + 2
+        assert all(read(os.path.join(dest, n)) == contents[n] for n in shard_files(dest))
+        assert {f"manifest-{s}.json" for s in ("train", "validation")} <= set(os.listdir(dest))
+        # How workers number the files of the partial copy: all 8 source train shards, in order.
+        assert stage.read_shard_list(dest, "train") == [f"train-{i:05d}-of-00008" for i in range(8)]
+        assert stage.read_shard_list(dest, "validation") == sorted(eval_shards)
+        staged.append(want)
+    if scheme == "disjoint":
+        assert staged[0] == {f"train-{i:05d}-of-00008" for i in (0, 1, 4, 5)}  # ranks 0,1: i mod 4 in {0, 1}
+        assert staged[0].isdisjoint(staged[1])
+    assert staged[0] | staged[1] == {n for n in contents if n.startswith("train")}  # every shard on some node
+
+
+def test_full_assignment_and_fewer_files_than_workers_stage_every_train_shard(src8, tmp_path):
+    src_dir, contents = src8
+    report = stage.stage(src_dir, str(tmp_path / "full"), readers=stage.Readers((0, 1), 4, "full"))
+    assert report.files_copied == 10 and shard_files(str(tmp_path / "full")) == sorted(contents)
+    # 8 files, 16 workers: example-level assignment, every worker reads every file.
+    report = stage.stage(src_dir, str(tmp_path / "example_level"), readers=stage.Readers((0, 1), 16))
+    assert report.files_copied == 10 and shard_files(str(tmp_path / "example_level")) == sorted(contents)
+
+
+def test_train_split_other_than_train_and_no_manifest(tmp_path):
+    src_dir = str(tmp_path / "shared")
+    contents = {**write_shards(src_dir, "tr", 4, manifest=False), **write_shards(src_dir, "ev", 1, manifest=False)}
+    dest = str(tmp_path / "local")
+    stage.stage(src_dir, dest, splits=["tr", "ev"], train_split="tr", readers=stage.Readers((3,), 4))
+    assert shard_files(dest) == ["ev-00000-of-00001", "tr-00003-of-00004"]
+    assert stage.read_shard_list(dest, "tr") == sorted(n for n in contents if n.startswith("tr-"))
+
+
+def test_a_second_node_layout_adds_shards_and_keeps_the_lists(src8, tmp_path):
+    """A requeued job on other node counts stages what its workers now read; staged files stay valid."""
+    src_dir, _ = src8
+    dest = str(tmp_path / "local")
+    stage.stage(src_dir, dest, readers=stage.Readers((0, 1), 4))
+    report = stage.stage(src_dir, dest, readers=stage.Readers((0, 1, 2), 8))  # 8 workers: shards 0, 1, 2
+    assert report.files_copied == 1 and report.files_skipped == 2 + 2  # shard 2 new; 0, 1 and eval kept
+    assert stage.read_shard_list(dest, "train") == [f"train-{i:05d}-of-00008" for i in range(8)]
+
+
+@pytest.mark.parametrize("spec, ranks", [("0-3", (0, 1, 2, 3)), ("0,1,2,3", (0, 1, 2, 3)), ("5", (5,)),
+                                         ("8-9, 0-1", (0, 1, 8, 9)), ("2,2", (2,))])
+def test_parse_ranks(spec, ranks):
+    assert stage.parse_ranks(spec) == ranks
+
+
+@pytest.mark.parametrize("spec", ["", "a", "3-1", "1-", "-1", "0;1"])
+def test_parse_ranks_names_the_bad_part(spec):
+    with pytest.raises(ValueError, match="is not a rank or a range"):
+        stage.parse_ranks(spec)
+
+
+def test_readers_check_their_values():
+    with pytest.raises(ValueError, match=r"worker ranks \[4\] are not in \[0, num_workers=4\)"):
+        stage.Readers((3, 4), 4)
+    with pytest.raises(ValueError, match="copies=5"):
+        stage.Readers((0,), 4, "overlap", 5)
+    with pytest.raises(ValueError, match="'sideways'"):
+        stage.Readers((0,), 4, "sideways")
+    with pytest.raises(ValueError, match="no worker ranks"):
+        stage.Readers((), 4)
+
+
 # ---------------------------------------------------------------------------- real processes
 
 
@@ -239,13 +371,13 @@ def _stage_and_die_midway(src_dir, dest, die_on_file):
     real_copy_stream = stage._copy_stream
     calls = []
 
-    def dying_copy_stream(src, partial, digest):
+    def dying_copy_stream(src, partial, digest, *progress):
         calls.append(src)
         if len(calls) == die_on_file:
             with open(partial, "wb") as f:
                 f.write(b"half a shard")
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_copy_stream(src, partial, digest)
+        return real_copy_stream(src, partial, digest, *progress)
 
     stage._copy_stream = dying_copy_stream
     stage.stage(src_dir, dest, num_threads=1)
@@ -330,3 +462,56 @@ def test_default_stage_root(monkeypatch):
     assert stage.default_stage_root() == "/local/job123"
     monkeypatch.delenv("TMPDIR")
     assert stage.default_stage_root() == "/tmp"
+
+
+def test_cli_stages_a_nodes_share(src8, tmp_path):
+    src_dir, _ = src8
+    dest = str(tmp_path / "node1")
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_workers=4", "--worker_ranks=2-3",
+                    "--assignment=overlap", "--overlap_copies=2")
+    assert done.returncode == 0, done.stderr
+    want = assigned_train_shards(8, (2, 3), 4, "overlap", 2)
+    assert set(shard_files(dest)) == want | {"validation-00000-of-00002", "validation-00001-of-00002"}
+    assert f"staging {len(want)} of 8 train shards: those workers 2,3 of 4 read (assignment overlap)" in done.stderr
+
+    lonely = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--worker_ranks=0-1")
+    assert lonely.returncode != 0 and "--num_workers and --worker_ranks go together" in lonely.stderr
+    outside = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_workers=4", "--worker_ranks=3-4")
+    assert outside.returncode != 0 and "[4] are not in [0, num_workers=4)" in outside.stderr
+    assert "Traceback" not in lonely.stderr + outside.stderr
+
+
+def test_cli_takes_splits_and_assignment_from_the_training_config(src8, tmp_path):
+    """What the Slurm templates do: the training run's --config and overrides decide what a node stages."""
+    src_dir, _ = src8
+    config = tmp_path / "my_config.py"
+    config.write_text("from tfscale.config import base_config\n\n\ndef get_config():\n    c = base_config()\n"
+                      "    c.data.assignment = 'overlap'\n    c.data.eval_split = 'train'\n    return c\n")
+    dest = str(tmp_path / "node0")
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_workers=4", "--worker_ranks=0",
+                    f"--config={config}", "--config.data.overlap_copies=3", "--config.optim.lr_per_256=0.2")
+    assert done.returncode == 0, done.stderr
+    # eval_split=train: train is then also staged whole (the eval split is); no validation shards.
+    assert shard_files(dest) == [f"train-{i:05d}-of-00008" for i in range(8)]
+    dest = str(tmp_path / "node0b")
+    config.write_text(config.read_text().replace("c.data.eval_split = 'train'", "c.data.eval_split = 'validation'"))
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_workers=4", "--worker_ranks=0",
+                    f"--config={config}", "--config.data.overlap_copies=3")
+    assert done.returncode == 0, done.stderr
+    want = assigned_train_shards(8, (0,), 4, "overlap", 3)
+    assert len(want) == 6
+    assert set(shard_files(dest)) == want | {"validation-00000-of-00002", "validation-00001-of-00002"}
+
+    both = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", f"--config={config}", "--assignment=full")
+    assert both.returncode != 0 and "--assignment and --config both decide" in both.stderr
+
+
+def test_cli_logs_progress_without_a_terminal(src8, tmp_path):
+    src_dir, contents = src8
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={tmp_path / 'local'}", "--progress_every_s=0",
+                    "--num_threads=1")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "staging progress:" in line]
+    total_mb = sum(len(c) for c in contents.values()) / 1e6
+    assert len(lines) >= len(contents), done.stderr  # a line per chunk and per finished file at interval 0
+    assert f"10/10 files, {total_mb:.1f}/{total_mb:.1f} MB" in lines[-1] and "MB/s" in lines[-1]

@@ -10,7 +10,9 @@ a labels file with one class name per image in sorted file-name order (ImageNet'
 
 Output is what `build_imagenet_data.py` writes, so every TF ImageNet reader takes it: shards
 `{split}-00000-of-01024` of tf.train.Examples with the features in FEATURE_KEYS, labels 1-based
-(0 unused), and `{split}-manifest.json` (classes, shard sizes and sha256, skipped files), written last.
+(0 unused), and `manifest-{split}.json` (classes, shard sizes and sha256, skipped files), written last.
+Nothing else tfscale puts in the directory starts with a split name (temporaries and the state file
+start with "."), so the split globs readers use (`train*`, `train-*`, `train-*-of-*`) see shards only.
 
 How it works:
   1. scan: every image is fully decoded once with PIL, in parallel; undecodable files are skipped
@@ -47,6 +49,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import tfscale
+from tfscale import logs
 
 FEATURE_KEYS = (
     "image/encoded",
@@ -66,8 +69,14 @@ JPEG_QUALITY = 95
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 # Huffman-coded sequential JPEG (SOF0 baseline, SOF1 extended): what every libjpeg build decodes.
 _PASS_THROUGH_SOF_MARKERS = (0xC0, 0xC1)
+# Not "{split}-manifest.json": Model Garden's `train*` and NVIDIA's `train-*` globs would read it as a
+# shard (DataLossError: corrupted record at 0). That name is still read, from older conversions.
+_MANIFEST_FORMAT = "manifest-{split}.json"
+_LEGACY_MANIFEST_FORMAT = "{split}-manifest.json"
 _STATE_FORMAT = ".{split}-convert-state.json"  # shard fingerprints while a conversion is under way
-_TEMP_NAME = re.compile(r"^\.(?P<split>[^/]+?)-(?:\d{5,}-of-\d{5,}|manifest\.json|convert-state\.json)\.tmp-\d+$")
+# Temporaries of shards, the state file and (legacy or current) manifests: ".<final name>.tmp-<pid>".
+_TEMP_NAME = re.compile(r"^\.(?:(?P<split>[^/]+?)-(?:\d{5,}-of-\d{5,}|manifest\.json|convert-state\.json)"
+                        r"|manifest-(?P<manifest_split>[^/]+)\.json)\.tmp-\d+$")
 _MAX_NAMED_FILES = 10  # files listed in one error message
 
 
@@ -414,15 +423,31 @@ def inputs_sha256(items: list[Item], file_stats: dict[str, tuple[int, int]], inp
 
 
 def manifest_path(output_dir: str, split: str) -> str:
-    return os.path.join(output_dir, f"{split}-manifest.json")
+    """Where `convert` writes the manifest of `split`."""
+    return os.path.join(output_dir, _MANIFEST_FORMAT.format(split=split))
+
+
+def legacy_manifest_path(output_dir: str, split: str) -> str:
+    """Where older tfscale versions wrote it (split globs match it: read, never written)."""
+    return os.path.join(output_dir, _LEGACY_MANIFEST_FORMAT.format(split=split))
+
+
+def find_manifest(output_dir: str, split: str) -> str | None:
+    """Path of the manifest of `split` in `output_dir` (local or gs://...): current name first; None if none."""
+    import tensorflow as tf  # tf.io.gfile: data dirs may be remote
+
+    for path in (manifest_path(output_dir, split), legacy_manifest_path(output_dir, split)):
+        if tf.io.gfile.exists(path):
+            return path
+    return None
 
 
 def read_manifest(output_dir: str, split: str) -> dict | None:
     """The manifest `convert` wrote for `split` in `output_dir` (local or gs://...), None if there is none."""
-    import tensorflow as tf  # tf.io.gfile: data dirs may be remote
+    import tensorflow as tf
 
-    path = manifest_path(output_dir, split)
-    if not tf.io.gfile.exists(path):
+    path = find_manifest(output_dir, split)
+    if path is None:
         return None
     with tf.io.gfile.GFile(path, "r") as f:
         try:
@@ -458,7 +483,7 @@ def remove_temp_files(output_dir: str, split: str) -> list[str]:
     removed = []
     for name in sorted(os.listdir(output_dir)):
         match = _TEMP_NAME.match(name)
-        if match and match.group("split") == split:
+        if match and split in (match.group("split"), match.group("manifest_split")):
             _remove_quietly(os.path.join(output_dir, name))
             removed.append(name)
     if removed:
@@ -469,7 +494,7 @@ def remove_temp_files(output_dir: str, split: str) -> list[str]:
 def previous_fingerprints(output_dir: str, split: str) -> dict[str, str]:
     """{shard name: inputs_sha256} of shards known to be on disk: from an interrupted run, else the manifest."""
     state_path = os.path.join(output_dir, _STATE_FORMAT.format(split=split))
-    for path in (state_path, manifest_path(output_dir, split)):
+    for path in (state_path, manifest_path(output_dir, split), legacy_manifest_path(output_dir, split)):
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -586,7 +611,9 @@ def write_shards(output_dir: str, split: str, planned: list[list[Item]], file_st
         _write_json_atomically(state_path, {"inputs_sha256": {n: i["inputs_sha256"] for n, i in done.items()}})
 
     save_state()
-    _remove_quietly(manifest_path(output_dir, split))  # it would describe shards about to change
+    # They would describe shards about to change; the legacy one also sits in readers' split globs.
+    _remove_quietly(manifest_path(output_dir, split))
+    _remove_quietly(legacy_manifest_path(output_dir, split))
     todo = [(p, items, resize_shorter, fp) for p, items, fp in zip(paths, planned, fingerprints)
             if os.path.basename(p) not in done]
     if done:
@@ -601,15 +628,20 @@ def write_shards(output_dir: str, split: str, planned: list[list[Item]], file_st
 
 def build_manifest(split: str, classes: list[str], class_texts: list[str], shards: list[dict], skipped: list[dict],
                    *, resize_shorter: int, seed: int, input_dir: str) -> dict:
-    """The `{split}-manifest.json` contents; `read_manifest` returns them."""
+    """The `manifest-{split}.json` contents; `read_manifest` returns them.
+
+    classes[i] is the class the model's output i stands for; its examples carry the stored label
+    class_labels[i] = i + label_offset (explicit, so export and other tools need not know the offset).
+    """
     return {
         "split": split,
         "num_examples": sum(s["num_examples"] for s in shards),
         "num_shards": len(shards),
         "num_classes": len(classes),
         "label_offset": LABEL_OFFSET,
-        "classes": classes,
-        "class_texts": class_texts,  # class_texts[i] belongs to classes[i], label i + LABEL_OFFSET
+        "classes": classes,  # in label order, for every input form (class tree, labels file, class order file)
+        "class_labels": [index + LABEL_OFFSET for index in range(len(classes))],  # stored label of classes[i]
+        "class_texts": class_texts,  # class_texts[i] belongs to classes[i]
         "shards": shards,
         "skipped": skipped,
         "resize_shorter": resize_shorter,
@@ -648,7 +680,7 @@ def convert(input_dir: str, output_dir: str, split: str, num_shards: int, *, lab
 
     Args:
       input_dir: class-folder tree `input_dir/<class>/*.jpg|png`, or a flat folder with `labels_file`.
-      output_dir: where shards `{split}-00000-of-{num_shards:05d}` and `{split}-manifest.json` go;
+      output_dir: where shards `{split}-00000-of-{num_shards:05d}` and `manifest-{split}.json` go;
         created if needed. Other files in it are never touched.
       split: "train" or "validation" (the shard-name prefix).
       num_shards: number of shards; at most the number of images.
@@ -709,7 +741,7 @@ def _define_flags() -> None:
         return
     flags.DEFINE_string("input_dir", None, "Class-folder tree DIR/<class>/*.jpg|png, or a flat folder "
                         "of images with --labels_file.")
-    flags.DEFINE_string("output_dir", None, "Where shards and {split}-manifest.json go (created if needed).")
+    flags.DEFINE_string("output_dir", None, "Where shards and manifest-{split}.json go (created if needed).")
     flags.DEFINE_enum("split", None, SPLITS, "Shard-name prefix.")
     flags.DEFINE_integer("num_shards", None, "Number of shards (ImageNet: 1024 train, 128 validation).")
     flags.DEFINE_string("labels_file", None, "For a flat folder: one class name per image, in sorted "
@@ -743,6 +775,7 @@ def _main(argv: list[str]) -> int:
 
 def run(argv: list[str] | None = None) -> None:
     """Entry point of `tfscale-convert` and tools/tfrecord_convert.py."""
+    logs.quiet_tensorflow_banner()  # TensorFlow is imported later, by the shard writers
     _define_flags()
     app.run(_main, argv=argv)
 

@@ -23,7 +23,7 @@ from typing import Callable
 import ml_collections
 import tensorflow as tf
 
-from tfscale.data import assignment, preprocess, synthetic
+from tfscale.data import assignment, preprocess, stage, synthetic
 from tfscale.data import convert as convert_lib
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
@@ -32,22 +32,53 @@ _SYNTHETIC = ("synthetic", "synthetic_learnable")
 
 
 def list_shards(data_dir: str, split: str) -> list[str]:
-    """Sorted shard paths `{split}-*-of-*` in `data_dir`; a clear error when there are none."""
+    """Sorted paths of the shards of `split` in `data_dir`; a clear error when there are none.
+
+    The files `{split}-*-of-*`, or in a staged copy every shard of the source it was staged from, present
+    or not: a node's copy may hold only the train shards its workers read, and every worker must
+    number the files as in the full directory to pick its own (see `require_present`).
+    """
     if not tf.io.gfile.isdir(data_dir):
         raise FileNotFoundError(f"config.data.data_dir={data_dir!r} is not a directory")
-    files = sorted(tf.io.gfile.glob(os.path.join(data_dir, f"{split}-*-of-*")))
+    staged = stage.read_shard_list(data_dir, split)
+    files = ([os.path.join(data_dir, name) for name in staged] if staged
+             else sorted(tf.io.gfile.glob(os.path.join(data_dir, f"{split}-*-of-*"))))
     if not files:
         raise FileNotFoundError(f"no TFRecord shards named {split}-*-of-* in {data_dir}")
     return files
 
 
+def is_staged_copy(data_dir: str) -> bool:
+    """A staging destination (node-local, so plain os): its shard lists may name files it does not hold."""
+    return os.path.exists(os.path.join(data_dir, stage.SHARD_LIST_FILE))
+
+
+def require_present(paths: list[str], data_dir: str, what: str) -> None:
+    """FileNotFoundError naming a shard of `paths` that a staged copy lacks (and how many it lacks).
+
+    Elsewhere the paths come from a glob and exist: no per-file stat (slow on remote storage).
+    """
+    if not is_staged_copy(data_dir):
+        return
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} of the {len(paths)} shards {what} are missing in the staged copy {data_dir}, e.g. "
+            f"{os.path.basename(missing[0])}: it holds the train shards of the workers it was staged for, so "
+            "tools/stage_data.py --num_workers/--worker_ranks/--assignment must match the training run")
+
+
 def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, split: str,
-                           num_examples: int) -> None:
-    """Cross-checks config and shards with the conversion manifest, when there is one."""
+                           num_examples: int, *, allow_missing: bool = False) -> None:
+    """Cross-checks config and shards with the conversion manifest, when there is one.
+
+    allow_missing: shards that are not there are not an error (a partial staged copy); those
+    that are must still have the manifest's size.
+    """
+    where = convert_lib.find_manifest(data_dir, split)
     manifest = convert_lib.read_manifest(data_dir, split)
     if manifest is None:
         return  # shards from other tools: the per-example label check still guards the labels
-    where = os.path.join(data_dir, f"{split}-manifest.json")
     for key, ours, theirs in (
         ("data.num_classes", data_cfg.num_classes, manifest["num_classes"]),
         ("data.label_offset", data_cfg.label_offset, manifest["label_offset"]),
@@ -59,6 +90,8 @@ def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, s
     for shard in manifest["shards"]:
         path = os.path.join(data_dir, shard["name"])
         if not tf.io.gfile.exists(path):
+            if allow_missing:
+                continue
             raise FileNotFoundError(f"shard {path} listed in {where} is missing")
         size = tf.io.gfile.stat(path).length
         if size != shard["bytes"]:
@@ -96,7 +129,8 @@ def explain_data_loss(err: tf.errors.DataLossError, data_cfg, data_dir: str, spl
     """A DataLossError that names the shard(s): TensorFlow's message gives only a byte offset."""
     if data_cfg.dataset != "tfrecord":
         return err
-    bad = truncated_shards(list_shards(data_dir, split)) or [f"no truncated shard found in {data_dir}"]
+    present = [p for p in list_shards(data_dir, split) if not is_staged_copy(data_dir) or os.path.exists(p)]
+    bad = truncated_shards(present) or [f"no truncated shard found in {data_dir}"]
     return ValueError(f"corrupt TFRecord data ({err.message.strip()}): {'; '.join(bad)}")
 
 
@@ -143,6 +177,7 @@ def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tf.
     assignment.check(data_cfg.assignment, data_cfg.overlap_copies, workers)
     if assignment.shard_level(len(files), workers) == "file":
         mine = [files[i] for i in assignment.assign(len(files), rank=rank, **scheme)]
+        require_present(mine, os.path.dirname(mine[0]), f"worker {rank} of {workers} reads")
         ds = tf.data.Dataset.from_tensor_slices(mine)
         if not data_cfg.cache:  # a cache below freezes the first epoch's file order anyway
             ds = ds.shuffle(len(mine), seed=seed, reshuffle_each_iteration=True).repeat()
@@ -154,6 +189,7 @@ def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tf.
     else:
         # Fewer files than workers: every worker reads all files in one fixed order and keeps
         # its examples; the fixed order is what makes example indices agree across workers.
+        require_present(files, os.path.dirname(files[0]), f"every worker of {workers} reads")
         ds = tf.data.TFRecordDataset(files, buffer_size=_READ_BUFFER_BYTES)
         ds = _keep_indices(ds, lambda i: assignment.worker_keeps(i, rank=rank, **scheme))
         if not data_cfg.cache:
@@ -211,18 +247,32 @@ def _batch_augment(ds: tf.data.Dataset, data_cfg) -> tf.data.Dataset:
     return ds if augmenter is None else ds.map(augmenter, num_parallel_calls=tf.data.AUTOTUNE)
 
 
-def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples: int, num_eval_examples: int) -> str:
-    """The directory to read shards from: staged to `data.stage_dir` first when set; checked."""
+def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples: int, num_eval_examples: int,
+                     worker_ranks: tuple[int, ...] | None = None, num_workers: int | None = None) -> str:
+    """The directory to read shards from: staged to `data.stage_dir` first when set; checked.
+
+    Staging copies every eval shard and, with `worker_ranks` (of `num_workers`), only the train shards
+    those workers read under data.assignment; without them (as train.py calls it today) every shard.
+    A staged copy may lack other workers' train shards: each worker checks its own when it builds
+    its dataset. Anywhere else every shard must be there.
+    """
     if data_cfg.dataset != "tfrecord":
         return data_cfg.data_dir
     data_dir = data_cfg.data_dir
     if data_cfg.stage_dir:
-        from tfscale.data import stage  # no TF import there; staging is also a standalone tool
-
-        data_dir = stage.stage(data_dir, data_cfg.stage_dir, splits=(data_cfg.train_split, data_cfg.eval_split)).dest_dir
+        readers = None
+        # Evaluating on the train split reads every file of it on every worker: then stage it whole.
+        if worker_ranks is not None and data_cfg.eval_split != data_cfg.train_split:
+            readers = stage.Readers(tuple(worker_ranks), num_workers, data_cfg.assignment, data_cfg.overlap_copies)
+        data_dir = stage.stage(data_dir, data_cfg.stage_dir, splits=(data_cfg.train_split, data_cfg.eval_split),
+                               train_split=data_cfg.train_split, readers=readers).dest_dir
     for split, num_examples in ((data_cfg.train_split, num_train_examples), (data_cfg.eval_split, num_eval_examples)):
-        list_shards(data_dir, split)
-        check_against_manifest(data_cfg, data_dir, split, num_examples)
+        # Train shards of a staged copy may be another node's: each worker checks its own in _worker_records.
+        partial = split == data_cfg.train_split != data_cfg.eval_split and is_staged_copy(data_dir)
+        shards = list_shards(data_dir, split)
+        if not partial:
+            require_present(shards, data_dir, f"of {split}")
+        check_against_manifest(data_cfg, data_dir, split, num_examples, allow_missing=partial)
     return data_dir
 
 
@@ -268,6 +318,7 @@ def _eval_records(data_cfg, data_dir: str, input_context) -> tf.data.Dataset:
         ds = _tfds_records(data_cfg, data_cfg.eval_split, None, seed=0, shuffle_files=False)
     else:
         files = list_shards(data_dir, data_cfg.eval_split)
+        require_present(files, data_dir, f"of {data_cfg.eval_split} (every worker evaluates from every file)")
         # A deterministic interleave: parallel reads, yet every worker numbers the examples alike.
         ds = tf.data.Dataset.from_tensor_slices(files).interleave(
             lambda f: tf.data.TFRecordDataset(f, buffer_size=_READ_BUFFER_BYTES),

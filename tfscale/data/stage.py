@@ -1,11 +1,23 @@
 """Stage TFRecord shards from the shared file system to node-local storage before training.
 
     python tools/stage_data.py --src_dir=/lustre/imagenet/tfrecords [--dest_dir=$TMPDIR/tfscale_data] \
-        [--splits=train,validation] [--verify=sha256|size]
+        [--splits=train,validation] [--verify=sha256|size] \
+        [--num_workers=8 --worker_ranks=0-3 [--assignment=disjoint|overlap|full --overlap_copies=2]] \
+        [--config=configs/r50_32gpu.py --config.data.assignment=...]   # splits and assignment from it
 
 Reading 140 GB of ImageNet shards from a parallel file system every epoch, from every node, loads the
 shared servers and makes input speed depend on everybody else's jobs. Staging copies the shards a node
 needs once, at job start, to node-local SSD ($TMPDIR); training then reads the local copy.
+
+Which shards a node needs: every eval shard (evaluation reads example i on worker i mod W from every
+file), and of the train shards only those its workers read. Given the node's worker ranks, the
+worker count and the assignment scheme (`Readers`), the train shards are chosen exactly as
+tfscale.data.pipeline assigns them: whole files by tfscale.data.assignment when there are at least as
+many files as workers, else every file (each worker then keeps every W-th example of all of them).
+Without ranks every shard is staged. Every worker must still number the train files as in the full
+directory to find its own, so staging records each split's source shard names, in reading order, in
+`.tfscale-shards.json` in dest_dir (`read_shard_list`); the input pipeline lists a staged copy's
+shards from it.
 
 What makes it safe to call from every process of every node (and to re-run):
   * One copier per node. Every process calls `stage()`; an exclusive `fcntl.flock` on a lock file in
@@ -20,9 +32,11 @@ What makes it safe to call from every process of every node (and to re-run):
     sha256 of each staged file. A file whose size and mtime still match its record is trusted; any
     other file already present is hashed again and re-copied if it does not match.
   * Free space is checked before the first byte is copied.
-Shards with a `{split}-manifest.json` (written by tfscale's converter) are verified against it; the
-manifests are staged too, so the input pipeline finds them. Shards from other tools are found by name
-(`{split}-*-of-*`) and verified by size only.
+  * Progress of long copies (bytes, files, MB/s): a bar on a terminal, a log line every
+    `progress_every_s` seconds otherwise (batch jobs).
+Shards with a manifest (`manifest-{split}.json` written by tfscale's converter, or the older
+`{split}-manifest.json`) are verified against it; the manifests are staged too, so the input pipeline
+finds them. Shards from other tools are found by name (`{split}-*-of-*`) and verified by size only.
 
 This module must stay cheap to import: no TensorFlow (it runs as its own step on each node).
 """
@@ -35,27 +49,36 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
+import threading
 import time
 from concurrent import futures
 from typing import Iterable
 
 from absl import app, flags, logging
+from tqdm import tqdm
+
+from tfscale.data import assignment
 
 STATE_FILE = ".tfscale-staged.json"
+SHARD_LIST_FILE = ".tfscale-shards.json"  # {split: source shard names}: how workers number a partial copy
 LOCK_FILE = ".tfscale-stage.lock"
 PARTIAL_PREFIX = ".tfscale-partial-"  # temp names; dot files, so shard globs never see them
 VERIFY_MODES = ("sha256", "size")
 _STATE_VERSION = 1
-_MANIFEST_SUFFIX = "-manifest.json"
+# A split's manifest: the converter's name, then the one older versions wrote (which split globs match).
+_MANIFEST_FORMATS = ("manifest-{split}.json", "{split}-manifest.json")
+_MANIFEST_GLOBS = ("manifest-*.json", "*-manifest.json")
 _COPY_CHUNK_BYTES = 8 << 20  # large sequential reads suit parallel file systems
 # Kept free beyond the data: a file system that fills to the last block slows down and breaks other users.
 _FREE_MARGIN_BYTES = 64 << 20
 _LOCK_POLL_MAX_S = 0.1  # how late a waiter may notice the copier is done
 _DEFAULT_NUM_THREADS = 4  # a few streams: one stream rarely gets a parallel file system's bandwidth
 _BYTES_PER_MB = 1e6
+_DEFAULT_PROGRESS_EVERY_S = 30.0  # log-line progress interval when stderr is not a terminal
 
 
 class StageError(RuntimeError):
@@ -86,16 +109,52 @@ class _Shard:
     manifest: str | None = None  # path of the manifest listing it, for error messages
 
 
+@dataclasses.dataclass(frozen=True)
+class Readers:
+    """The training workers one node stages train shards for, and how shards are assigned to workers."""
+
+    ranks: tuple[int, ...]  # the node's workers (input pipeline ids)
+    num_workers: int  # workers of the whole job
+    scheme: str = "disjoint"  # config.data.assignment
+    copies: int = 1  # config.data.overlap_copies (scheme "overlap")
+
+    def __post_init__(self):
+        assignment.check(self.scheme, self.copies, self.num_workers)
+        if not self.ranks:
+            raise ValueError("no worker ranks given")
+        outside = [rank for rank in self.ranks if not 0 <= rank < self.num_workers]
+        if outside:
+            raise ValueError(f"worker ranks {outside} are not in [0, num_workers={self.num_workers})")
+
+    def file_indices(self, num_files: int) -> list[int]:
+        """Sorted indices of the files these workers read, as tfscale.data.pipeline assigns them."""
+        if assignment.shard_level(num_files, self.num_workers) == "example":
+            return list(range(num_files))  # fewer files than workers: every worker reads every file
+        indices = set()
+        for rank in self.ranks:
+            indices.update(assignment.assign(num_files, rank=rank, num_workers=self.num_workers, scheme=self.scheme,
+                                             copies=self.copies))
+        return sorted(indices)
+
+
+def parse_ranks(spec: str) -> tuple[int, ...]:
+    """"0,1,2,3", "0-3" or "0-3,8-11" -> sorted distinct ranks; ValueError naming a bad part."""
+    ranks = set()
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not match or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
+            raise ValueError(f"worker ranks {spec!r}: {part!r} is not a rank or a range first-last like 0-3")
+        first = int(match.group(1))
+        ranks.update(range(first, int(match.group(2) or first) + 1))
+    return tuple(sorted(ranks))
+
+
 def default_stage_root() -> str:
     """$TMPDIR (on many clusters Slurm sets a per-job node-local one), else /tmp."""
     return os.environ.get("TMPDIR") or "/tmp"
 
 
 # --------------------------------------------------------------------------------------- which files
-
-
-def _manifest_path(src_dir: str, split: str) -> str:
-    return os.path.join(src_dir, f"{split}{_MANIFEST_SUFFIX}")
 
 
 def _read_manifest(path: str) -> dict | None:
@@ -113,6 +172,16 @@ def _read_manifest(path: str) -> dict | None:
     return manifest
 
 
+def _split_manifest(src_dir: str, split: str) -> tuple[str | None, dict | None]:
+    """(path, contents) of the manifest of `split` in src_dir, the converter's name first; (None, None)."""
+    for name_format in _MANIFEST_FORMATS:
+        path = os.path.join(src_dir, name_format.format(split=split))
+        manifest = _read_manifest(path)
+        if manifest is not None:
+            return path, manifest
+    return None, None
+
+
 def _manifest_shards(manifest: dict, path: str) -> list[_Shard]:
     for entry in manifest["shards"]:
         _check_plain_name(entry["name"])  # a manifest names files next to it, never elsewhere
@@ -124,7 +193,8 @@ def _named_shards(src_dir: str, split: str) -> list[_Shard]:
     pattern = os.path.join(glob.escape(src_dir), f"{split}-*-of-*")
     names = sorted(os.path.basename(p) for p in glob.glob(pattern) if os.path.isfile(p))
     if not names:
-        raise FileNotFoundError(f"no {split}{_MANIFEST_SUFFIX} and no shards named {split}-*-of-* in {src_dir}")
+        raise FileNotFoundError(f"no {_MANIFEST_FORMATS[0].format(split=split)} and no shards named {split}-*-of-* "
+                                f"in {src_dir}")
     return [_Shard(name) for name in names]
 
 
@@ -136,7 +206,8 @@ def _check_plain_name(name: str) -> None:
 def _listed_files(src_dir: str, files: Iterable[str]) -> list[_Shard]:
     """Exactly `files`, verified against whichever manifest in src_dir lists them."""
     known: dict[str, _Shard] = {}
-    for path in sorted(glob.glob(os.path.join(glob.escape(src_dir), f"*{_MANIFEST_SUFFIX}"))):
+    paths = {p for pattern in _MANIFEST_GLOBS for p in glob.glob(os.path.join(glob.escape(src_dir), pattern))}
+    for path in sorted(paths):
         manifest = _read_manifest(path)
         known.update({s.name: s for s in _manifest_shards(manifest, path)})
     shards = []
@@ -146,22 +217,48 @@ def _listed_files(src_dir: str, files: Iterable[str]) -> list[_Shard]:
     return shards
 
 
-def plan(src_dir: str, splits: Iterable[str], files: Iterable[str] | None) -> tuple[list[_Shard], list[str]]:
-    """(shards to stage, manifest file names to stage alongside), duplicates removed, in order."""
+def _shards_read_by(readers: Readers, split: str, shards: list[_Shard]) -> list[_Shard]:
+    """The shards of `split` the workers of `readers` read; files are numbered in sorted name order,
+    as the input pipeline numbers `{split}-*-of-*`."""
+    names = sorted(s.name for s in shards)
+    wanted = {names[i] for i in readers.file_indices(len(names))}
+    logging.info("staging %d of %d %s shards: those workers %s of %d read (assignment %s)", len(wanted), len(names),
+                 split, _ranks_text(readers.ranks), readers.num_workers, readers.scheme)
+    return [s for s in shards if s.name in wanted]
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """(0, 1, 2, 3) -> "0-3"; anything else comma-separated."""
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def plan(src_dir: str, splits: Iterable[str], files: Iterable[str] | None, *, train_split: str | None = "train",
+         readers: Readers | None = None) -> tuple[list[_Shard], list[str], dict[str, list[str]]]:
+    """(shards to stage, manifest file names to stage alongside, {split: all its shard names, sorted}).
+
+    Shards without duplicates, in order. With `readers`, of the `train_split` shards only those the
+    readers' workers read; other splits whole. `files` stages exactly those files and lists no split.
+    """
+    shard_lists = {}
     if files is not None:
         shards, manifests = _listed_files(src_dir, files), []
     else:
         shards, manifests = [], []
         for split in splits:
-            path = _manifest_path(src_dir, split)
-            manifest = _read_manifest(path)
+            path, manifest = _split_manifest(src_dir, split)
             if manifest is None:
-                shards += _named_shards(src_dir, split)
+                split_shards = _named_shards(src_dir, split)
             else:
-                shards += _manifest_shards(manifest, path)
+                split_shards = _manifest_shards(manifest, path)
                 manifests.append(os.path.basename(path))
+            shard_lists[split] = sorted(s.name for s in split_shards)
+            if readers is not None and split == train_split:
+                split_shards = _shards_read_by(readers, split, split_shards)
+            shards += split_shards
     unique = {s.name: s for s in reversed(shards)}  # reversed: the first listing of a name wins
-    return [unique[name] for name in dict.fromkeys(s.name for s in shards)], list(dict.fromkeys(manifests))
+    return [unique[name] for name in dict.fromkeys(s.name for s in shards)], list(dict.fromkeys(manifests)), shard_lists
 
 
 # ----------------------------------------------------------------------------------- state and lock
@@ -193,6 +290,35 @@ def _save_state(dest_dir: str, records: dict[str, dict]) -> None:
     temp = os.path.join(dest_dir, f"{PARTIAL_PREFIX}{STATE_FILE}.{os.getpid()}")
     with open(temp, "w") as f:
         json.dump({"version": _STATE_VERSION, "files": records}, f, indent=0, sort_keys=True)
+    os.replace(temp, path)
+
+
+def read_shard_list(data_dir: str, split: str) -> list[str] | None:
+    """Names of every `split` shard of the source `data_dir` was staged from, in reading order; None when
+    data_dir is not a staging destination of that split. The copy may hold only some of them (`Readers`).
+    """
+    try:
+        with open(os.path.join(data_dir, SHARD_LIST_FILE)) as f:
+            names = json.load(f)["splits"][split]
+    except (OSError, ValueError, KeyError, TypeError):  # absent (not staged here) or unreadable
+        return None
+    return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+
+
+def _save_shard_lists(dest_dir: str, shard_lists: dict[str, list[str]]) -> None:
+    """Records (merged with other splits already recorded) how the staged splits' shards are numbered."""
+    path = os.path.join(dest_dir, SHARD_LIST_FILE)
+    try:
+        with open(path) as f:
+            recorded = dict(json.load(f)["splits"])
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = {}
+    if all(recorded.get(split) == names for split, names in shard_lists.items()):
+        return
+    recorded.update(shard_lists)
+    temp = os.path.join(dest_dir, f"{PARTIAL_PREFIX}{SHARD_LIST_FILE}.{os.getpid()}")
+    with open(temp, "w") as f:
+        json.dump({"version": _STATE_VERSION, "splits": recorded}, f, indent=0, sort_keys=True)
     os.replace(temp, path)
 
 
@@ -303,8 +429,8 @@ def check_staged(src_dir: str, dest_dir: str, shard: _Shard, record: dict | None
     return _record(path, sha256)
 
 
-def _copy_stream(src: str, partial: str, digest) -> int:
-    """Copies src to partial (new file), feeding `digest` on the way; bytes copied."""
+def _copy_stream(src: str, partial: str, digest, on_bytes=None) -> int:
+    """Copies src to partial (new file), feeding `digest` and on_bytes(n) on the way; bytes copied."""
     copied_bytes = 0
     buffer = bytearray(_COPY_CHUNK_BYTES)
     view = memoryview(buffer)
@@ -318,6 +444,8 @@ def _copy_stream(src: str, partial: str, digest) -> int:
                 digest.update(chunk)  # hashlib releases the GIL here, so copier threads hash in parallel
             fout.write(chunk)
             copied_bytes += n
+            if on_bytes is not None:
+                on_bytes(n)
     return copied_bytes
 
 
@@ -336,14 +464,18 @@ def _check_copy(src: str, shard: _Shard, copied_bytes: int, expected_bytes: int,
                          "the shared copy is corrupt (re-copy or re-convert it); not staged")
 
 
-def copy_verified(src_dir: str, dest_dir: str, shard: _Shard, expected_bytes: int, verify: str) -> dict:
-    """Copies one shard via a temp name, renamed into place only after verification; its state record."""
+def copy_verified(src_dir: str, dest_dir: str, shard: _Shard, expected_bytes: int, verify: str,
+                  on_bytes=None) -> dict:
+    """Copies one shard via a temp name, renamed into place only after verification; its state record.
+
+    on_bytes(n) is called as each chunk of n bytes is copied (progress).
+    """
     src = os.path.join(src_dir, shard.name)
     final = os.path.join(dest_dir, shard.name)
     partial = os.path.join(dest_dir, f"{PARTIAL_PREFIX}{shard.name}.{os.getpid()}")
     digest = hashlib.sha256() if verify == "sha256" else None
     try:
-        copied_bytes = _copy_stream(src, partial, digest)
+        copied_bytes = _copy_stream(src, partial, digest, on_bytes)
         sha256 = digest.hexdigest() if digest is not None else None
         _check_copy(src, shard, copied_bytes, expected_bytes, sha256)
         os.replace(partial, final)
@@ -387,6 +519,54 @@ def check_free_space(dest_dir: str, needed_bytes: int) -> None:
                          f"bytes ({free_bytes / 1e9:.2f} GB) are available")
 
 
+class _Progress:
+    """Bytes and files copied so far and the rate: a tqdm bar on a terminal, else a log line every `every_s` s.
+
+    Updated from the copier threads; the lock keeps the counts whole.
+    """
+
+    def __init__(self, total_bytes: int, total_files: int, every_s: float):
+        self._total_bytes, self._total_files, self._every_s = total_bytes, total_files, every_s
+        self._bytes = self._files = 0
+        self._start_s = self._logged_s = time.monotonic()
+        self._lock = threading.Lock()
+        self._bar = None
+        if total_files and sys.stderr.isatty():
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"stage {total_files} files",
+                             file=sys.stderr, dynamic_ncols=True)
+
+    def add_bytes(self, n: int) -> None:
+        with self._lock:
+            self._bytes += n
+            if self._bar is not None:
+                self._bar.update(n)
+            else:
+                self._maybe_log()
+
+    def file_done(self) -> None:
+        with self._lock:
+            self._files += 1
+            if self._bar is not None:
+                self._bar.set_postfix_str(f"{self._files}/{self._total_files} files")
+            else:
+                self._maybe_log()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def _maybe_log(self) -> None:
+        now_s = time.monotonic()
+        if now_s - self._logged_s < self._every_s:
+            return
+        self._logged_s = now_s
+        rate = self._bytes / max(now_s - self._start_s, 1e-9)  # bytes/s
+        left_s = (self._total_bytes - self._bytes) / rate if rate > 0 else float("inf")
+        logging.info("staging progress: %d/%d files, %.1f/%.1f MB, %.1f MB/s, ~%.0f s left", self._files,
+                     self._total_files, self._bytes / _BYTES_PER_MB, self._total_bytes / _BYTES_PER_MB,
+                     rate / _BYTES_PER_MB, left_s)
+
+
 def _run_parallel(fn, items: list, num_threads: int, on_result) -> None:
     """fn(item) on a thread pool, on_result(item, result) in this thread as each finishes.
 
@@ -417,9 +597,21 @@ def _run_parallel(fn, items: list, num_threads: int, on_result) -> None:
         raise errors[0]
 
 
+def _legacy_manifest_name(name: str) -> str | None:
+    """"manifest-train.json" -> "train-manifest.json" (the name older versions used); else None."""
+    match = re.fullmatch(r"manifest-(.+)\.json", name)
+    return _MANIFEST_FORMATS[1].format(split=match.group(1)) if match else None
+
+
 def _stage_manifests(src_dir: str, dest_dir: str, names: list[str]) -> None:
-    """Copies the (small) manifests when the staged copy differs; atomically, like the shards."""
+    """Copies the (small) manifests when the staged copy differs; atomically, like the shards.
+
+    A legacy-named manifest staged by an older version goes: split globs would read it as a shard.
+    """
     for name in names:
+        legacy = _legacy_manifest_name(name)
+        if legacy:
+            _remove_quietly(os.path.join(dest_dir, legacy))
         with open(os.path.join(src_dir, name), "rb") as f:
             data = f.read()
         final = os.path.join(dest_dir, name)
@@ -447,8 +639,9 @@ def _check_args(src_dir: str, dest_dir: str, verify: str) -> None:
         raise ValueError(f"src_dir and dest_dir are the same directory: {src_dir}")
 
 
-def _stage_locked(src_dir: str, dest_dir: str, shards: list[_Shard], manifests: list[str], verify: str,
-                  num_threads: int) -> tuple[int, int]:
+def _stage_locked(src_dir: str, dest_dir: str, shards: list[_Shard], manifests: list[str],
+                  shard_lists: dict[str, list[str]], verify: str, num_threads: int,
+                  progress_every_s: float) -> tuple[int, int]:
     """The work of the lock holder; (files copied, bytes copied)."""
     stale = remove_partial_files(dest_dir)
     if stale:
@@ -476,16 +669,22 @@ def _stage_locked(src_dir: str, dest_dir: str, shards: list[_Shard], manifests: 
     if to_copy:
         check_free_space(dest_dir, sum(sizes.values()) + manifest_bytes)
     copied = []
+    progress = _Progress(sum(sizes.values()), len(to_copy), progress_every_s)
 
     def record_copy(shard, record):
         records[shard.name] = record
         copied.append(shard.name)
         _save_state(dest_dir, records)  # after every file: a crash loses at most the copies under way
+        progress.file_done()
 
-    _run_parallel(lambda s: copy_verified(src_dir, dest_dir, s, sizes[s.name], verify), to_copy, num_threads,
-                  record_copy)
-    # Last, so that the manifests only appear once all the shards they list are in place.
+    try:
+        _run_parallel(lambda s: copy_verified(src_dir, dest_dir, s, sizes[s.name], verify, progress.add_bytes),
+                      to_copy, num_threads, record_copy)
+    finally:
+        progress.close()
+    # Last, so that the manifests and lists only appear once all the shards they list are in place.
     _stage_manifests(src_dir, dest_dir, manifests)
+    _save_shard_lists(dest_dir, shard_lists)
     return len(copied), sum(sizes[name] for name in copied)
 
 
@@ -500,19 +699,24 @@ def _log_report(report: StageReport, src_dir: str) -> None:
 
 
 def stage(src_dir: str, dest_dir: str, *, splits: Iterable[str] = ("train", "validation"),
-          files: list[str] | None = None, verify: str = "sha256", lock_timeout_s: float = 3600.0,
-          num_threads: int = _DEFAULT_NUM_THREADS) -> StageReport:
+          files: list[str] | None = None, train_split: str | None = "train", readers: Readers | None = None,
+          verify: str = "sha256", lock_timeout_s: float = 3600.0, num_threads: int = _DEFAULT_NUM_THREADS,
+          progress_every_s: float = _DEFAULT_PROGRESS_EVERY_S) -> StageReport:
     """Copies the shards a node needs from `src_dir` to `dest_dir` (node-local), verified; see the module doc.
 
     Args:
-      src_dir: the shards on the shared file system, with `{split}-manifest.json` where there is one.
+      src_dir: the shards on the shared file system, with `manifest-{split}.json` where there is one.
       dest_dir: node-local directory (created if needed), e.g. under `default_stage_root()`.
       splits: stage the shards of these splits: those their manifest lists, else `{split}-*-of-*`.
-      files: instead of `splits`, exactly these file names in src_dir (e.g. one node's workers' shards);
-        verified against any manifest in src_dir that lists them. Manifests are not added.
+      files: instead of `splits`, exactly these file names in src_dir; verified against any manifest
+        in src_dir that lists them. Manifests are not added.
+      train_split: the split `readers` applies to (None: none, e.g. when it is also evaluated on).
+      readers: this node's training workers and the assignment scheme: of `train_split` only the
+        shards they read are staged. None: every shard.
       verify: "sha256" (size and hash against the manifest) or "size" (size only, no hashing).
       lock_timeout_s: how long a process waits for another one's copy before giving up with an error.
       num_threads: files copied (and hashed) at once.
+      progress_every_s: without a terminal, a progress log line at most this often (seconds).
 
     Returns:
       A StageReport. Every process of a node may call this at once: one copies, the rest wait and
@@ -521,12 +725,13 @@ def stage(src_dir: str, dest_dir: str, *, splits: Iterable[str] = ("train", "val
     if isinstance(splits, str):
         splits = (splits,)
     _check_args(src_dir, dest_dir, verify)
-    shards, manifests = plan(src_dir, splits, files)
+    shards, manifests, shard_lists = plan(src_dir, splits, files, train_split=train_split, readers=readers)
     os.makedirs(dest_dir, exist_ok=True)
     fd, lock_wait_s = acquire_lock(dest_dir, lock_timeout_s)
     try:
         start_s = time.monotonic()
-        files_copied, bytes_copied = _stage_locked(src_dir, dest_dir, shards, manifests, verify, num_threads)
+        files_copied, bytes_copied = _stage_locked(src_dir, dest_dir, shards, manifests, shard_lists, verify,
+                                                   num_threads, progress_every_s)
         seconds = time.monotonic() - start_s
     finally:
         os.close(fd)  # releases the flock: the next waiter goes
@@ -542,26 +747,63 @@ def stage(src_dir: str, dest_dir: str, *, splits: Iterable[str] = ("train", "val
 # --------------------------------------------------------------------------------------------- CLI
 
 
-_FLAG_NAMES = ("src_dir", "dest_dir", "splits", "files", "verify", "lock_timeout_s", "num_threads")
+_FLAG_NAMES = ("src_dir", "dest_dir", "splits", "files", "train_split", "num_workers", "worker_ranks", "assignment",
+               "overlap_copies", "config", "verify", "lock_timeout_s", "num_threads", "progress_every_s")
+# What --config decides (from config.data); giving one of these flags as well would be two answers.
+_CONFIG_DECIDES = ("splits", "train_split", "assignment", "overlap_copies")
 
 
 def _define_flags() -> None:
     """Flags exist only when the tool runs: importing this module (the input pipeline does) adds none."""
     if "src_dir" in flags.FLAGS:
         return
-    flags.DEFINE_string("src_dir", None, "Shards (and {split}-manifest.json) on the shared file system.")
+    from ml_collections import config_flags  # no TensorFlow: config files build ConfigDicts only
+
+    flags.DEFINE_string("src_dir", None, "Shards (and manifest-{split}.json) on the shared file system.")
     flags.DEFINE_string("dest_dir", None, "Node-local directory to stage into; default: "
                         "$TMPDIR/tfscale_data (/tmp/tfscale_data without $TMPDIR).")
     flags.DEFINE_list("splits", ["train", "validation"], "Splits to stage.")
     flags.DEFINE_list("files", None, "Exactly these file names in src_dir instead of --splits.")
+    flags.DEFINE_string("train_split", "train", "The split --worker_ranks applies to; other splits are staged whole.")
+    flags.DEFINE_integer("num_workers", None, "Training workers of the whole job (with --worker_ranks).")
+    flags.DEFINE_string("worker_ranks", None, "This node's training workers, e.g. 0,1,2,3 or 0-3: only the train "
+                        "shards they read are staged. Default: every shard.")
+    flags.DEFINE_enum("assignment", "disjoint", assignment.SCHEMES, "config.data.assignment of the training run.")
+    flags.DEFINE_integer("overlap_copies", 2, "config.data.overlap_copies of the training run (assignment=overlap).")
+    config_flags.DEFINE_config_file("config", None, "The training config (+ its --config.* overrides): splits and "
+                                    "assignment come from its data section instead of the flags above.")
     flags.DEFINE_enum("verify", "sha256", VERIFY_MODES, "sha256: size and hash against the manifest; "
                       "size: size only.")
     flags.DEFINE_float("lock_timeout_s", 3600.0, "Seconds to wait for another process's staging.")
     flags.DEFINE_integer("num_threads", _DEFAULT_NUM_THREADS, "Files copied at once.")
+    flags.DEFINE_float("progress_every_s", _DEFAULT_PROGRESS_EVERY_S, "Without a terminal: seconds between "
+                       "progress log lines.")
     flags.mark_flags_as_required(["src_dir"])
     # --help lists the flags of the main script (sys.argv[0]); these are defined here, so say they are its.
     for name in _FLAG_NAMES:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+
+
+def _selection(f) -> tuple[list[str], str | None, Readers | None]:
+    """(splits, train split, readers) from the flags, or from --config's data section."""
+    splits, train_split, scheme, copies = f.splits, f.train_split, f.assignment, f.overlap_copies
+    if f.config is not None:
+        both = [f"--{name}" for name in _CONFIG_DECIDES if f[name].present]
+        if both:
+            raise app.UsageError(f"{', '.join(both)} and --config both decide this; --config's data section wins "
+                                 "for training, so drop the flags (or override --config.data.*)")
+        data = f.config.data
+        splits, train_split = list(dict.fromkeys([data.train_split, data.eval_split])), data.train_split
+        scheme, copies = data.assignment, data.overlap_copies
+        if data.eval_split == data.train_split:
+            train_split = None  # every worker evaluates from every file of it: no per-worker share
+    if (f.num_workers is None) != (f.worker_ranks is None):
+        raise app.UsageError("--num_workers and --worker_ranks go together (or neither: stage every shard)")
+    if f.num_workers is None:
+        return splits, train_split, None
+    if f.files is not None:
+        raise app.UsageError("--files names exactly what to stage: it takes no --num_workers/--worker_ranks")
+    return splits, train_split, Readers(parse_ranks(f.worker_ranks), f.num_workers, scheme, copies)
 
 
 def _main(argv: list[str]) -> int:
@@ -570,8 +812,10 @@ def _main(argv: list[str]) -> int:
     f = flags.FLAGS
     dest_dir = f.dest_dir or os.path.join(default_stage_root(), "tfscale_data")
     try:
-        report = stage(f.src_dir, dest_dir, splits=f.splits, files=f.files, verify=f.verify,
-                       lock_timeout_s=f.lock_timeout_s, num_threads=f.num_threads)
+        splits, train_split, readers = _selection(f)
+        report = stage(f.src_dir, dest_dir, splits=splits, files=f.files, train_split=train_split, readers=readers,
+                       verify=f.verify, lock_timeout_s=f.lock_timeout_s, num_threads=f.num_threads,
+                       progress_every_s=f.progress_every_s)
     except (StageError, ValueError, OSError) as e:  # one clear line, no traceback
         logging.error("%s", e)
         return 1
