@@ -2,10 +2,12 @@
 syntax, shellcheck, and the batch-size split check. Real submissions are in tests/test_slurm.py."""
 
 import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 from conftest import REPO
@@ -16,6 +18,17 @@ SPEC.loader.exec_module(make_sbatch)
 
 TEMPLATES = sorted(make_sbatch.TEMPLATES.values())
 R50_32GPU = os.path.join(REPO, "configs", "r50_32gpu.py")
+# r50_32gpu on fewer than its 32 GPUs: the batch scaled to 128 images per GPU, as its docstring says.
+R50_ON_4_GPUS = "--config.data.global_batch_size=512"
+R50_ON_8_GPUS = "--config.data.global_batch_size=1024"
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """A directory for --data_dir (make_sbatch checks that it exists; it reads no file in it)."""
+    path = tmp_path / "shared" / "imagenet"
+    path.mkdir(parents=True)
+    return str(path)
 
 
 def generate(tmp_path, *args, name="job.sbatch"):
@@ -72,8 +85,9 @@ def test_templates_have_preemption_header(template):
     assert any(line.startswith("#SBATCH --output=") and "%j" in line for line in lines)
 
 
-def test_one_node_four_gpus(tmp_path):
-    text = generate(tmp_path, f"--config={R50_32GPU}", "--nodes=1", "--gpus_per_node=4", "--backend=mwms")
+def test_one_node_four_gpus(tmp_path, shards):
+    text = generate(tmp_path, f"--config={R50_32GPU}", "--nodes=1", "--gpus_per_node=4", "--backend=mwms",
+                    f"--data_dir={shards}", R50_ON_4_GPUS)
     lines = sbatch_lines(text)
     for expected in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                      "#SBATCH --cpus-per-task=8", "#SBATCH --requeue", "#SBATCH --signal=B:TERM@300"):
@@ -85,10 +99,10 @@ def test_one_node_four_gpus(tmp_path):
     assert_shellcheck_clean(tmp_path / "job.sbatch")
 
 
-def test_eight_nodes_four_gpus_for_the_32_gpu_recipe(tmp_path, capsys):
+def test_eight_nodes_four_gpus_for_the_32_gpu_recipe(tmp_path, capsys, shards):
     text = generate(tmp_path, f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=horovod",
                     "--partition=gpu", "--account=proj42", "--time=12:00:00", "--signal_lead_s=600",
-                    "--workdir=/shared/runs/r50", "--data_dir=/shared/imagenet", "--stage_dir=$TMPDIR/in net",
+                    "--workdir=/shared/runs/r50", f"--data_dir={shards}", "--stage_dir=$TMPDIR/in net",
                     "--config.optim.lr_per_256=0.1", "--config.train.epochs=90.5")
     lines = sbatch_lines(text)
     for expected in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
@@ -102,7 +116,7 @@ def test_eight_nodes_four_gpus_for_the_32_gpu_recipe(tmp_path, capsys):
                                "STAGE_DIR", "LAUNCHER", "VENV")
     assert values == {
         "CONFIG": R50_32GPU, "CONFIG_OVERRIDES": "--config.optim.lr_per_256=0.1 --config.train.epochs=90.5",
-        "WORKDIR": "/shared/runs/r50", "DATA_DIR": "/shared/imagenet",
+        "WORKDIR": "/shared/runs/r50", "DATA_DIR": shards,
         "STAGE_DIR": "/local/tmp/in net",  # $TMPDIR expands on the node; the space survives quoting
         "LAUNCHER": "srun-pmix", "VENV": make_sbatch.sys.prefix,
     }
@@ -117,24 +131,25 @@ def test_cpu_only_tasks_drop_gpu_lines(tmp_path):
     assert not [line for line in lines if "gpu" in line.split("=")[0]]
 
 
-def test_gpus_per_task_request(tmp_path):
+def test_gpus_per_task_request(tmp_path, shards):
     lines = sbatch_lines(generate(tmp_path, f"--config={R50_32GPU}", "--nodes=2", "--gpus_per_node=4",
-                                  "--backend=mwms", "--gpu_request=per_task"))
+                                  "--backend=mwms", "--gpu_request=per_task", f"--data_dir={shards}", R50_ON_8_GPUS))
     assert "#SBATCH --gpus-per-task=1" in lines
     assert not any(line.startswith("#SBATCH --gpus-per-node") for line in lines)
 
 
-def test_values_with_quotes_and_dollars_are_quoted_for_bash(tmp_path):
-    generate(tmp_path, f"--config={R50_32GPU}", "--nodes=1", "--gpus_per_node=4", "--backend=mwms",
-             '--modules=cuda/12 "x" `y`', "--config.data.tfds_name=it's")
+def test_values_with_quotes_and_dollars_are_quoted_for_bash(tmp_path, shards):
+    # benchmark.image_dir: a free-text key that training ignores and validate accepts as it is.
+    generate(tmp_path, f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=mwms",
+             f"--data_dir={shards}", '--modules=cuda/12 "x" `y`', "--config.benchmark.image_dir=it's")
     values = edit_block_values(tmp_path / "job.sbatch", "MODULES", "CONFIG_OVERRIDES")
-    assert values == {"MODULES": 'cuda/12 "x" `y`', "CONFIG_OVERRIDES": "--config.data.tfds_name=it's"}
+    assert values == {"MODULES": 'cuda/12 "x" `y`', "CONFIG_OVERRIDES": "--config.benchmark.image_dir=it's"}
 
 
-def test_split_that_does_not_divide_the_batch_fails_naming_key_and_value(tmp_path, capsys):
+def test_split_that_does_not_divide_the_batch_fails_naming_key_and_value(tmp_path, capsys, shards):
     # 3 nodes x 4 GPUs = 12 replicas; 4096 = 12 * 341 + 4.
     code = make_sbatch.main([f"--config={R50_32GPU}", "--nodes=3", "--gpus_per_node=4", "--backend=mwms",
-                             f"--output={tmp_path / 'job.sbatch'}"])
+                             f"--data_dir={shards}", f"--output={tmp_path / 'job.sbatch'}"])
     assert code == 2
     error = capsys.readouterr().err
     assert ("3 nodes x 4 tasks = 12 replicas: config.data.global_batch_size=4096 cannot be split evenly over "
@@ -142,9 +157,10 @@ def test_split_that_does_not_divide_the_batch_fails_naming_key_and_value(tmp_pat
     assert not (tmp_path / "job.sbatch").exists()
 
 
-def test_override_is_validated_with_the_split(tmp_path, capsys):
+def test_override_is_validated_with_the_split(tmp_path, capsys, shards):
     code = make_sbatch.main([f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=mwms",
-                             "--config.data.global_batch_size=1000", f"--output={tmp_path / 'job.sbatch'}"])
+                             f"--data_dir={shards}", "--config.data.global_batch_size=1000",
+                             f"--output={tmp_path / 'job.sbatch'}"])
     assert code == 2
     assert "config.data.global_batch_size=1000 cannot be split evenly over 32 replicas (nearest valid sizes: 992 or 1024)" \
         in capsys.readouterr().err
@@ -167,6 +183,85 @@ def test_cpu_only_needs_tasks_per_node(tmp_path, capsys):
                              f"--output={tmp_path / 'job.sbatch'}"])
     assert code == 2
     assert "--gpus_per_node=0 (CPU-only) needs --tasks_per_node" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def training_command(script_path, env) -> list[str]:
+    """The python arguments of every training task: the script's EDIT HERE block and common functions run
+    in bash (stage_data with a stand-in srun that copies nothing), then `train_args mwms`."""
+    text = open(script_path).read()
+    edit_block = text[text.index("# ===") : text.index("set -euo pipefail")]
+    common = text[text.index("# --- common:") : text.index("# --- end common")]
+    out = os.path.join(os.path.dirname(script_path), "train_args")
+    # The stand-in srun prints the staged directory, for a script that reads it from stage_data.py's stdout.
+    stand_in = 'srun() { local a; for a in "$@"; do case $a in --dest_dir=*) echo "${a#--dest_dir=}" ;; esac; done; }\n'
+    run = f'PYTHON=python\nstage_data > /dev/null\ntrain_args mwms\nprintf "%s\\0" "${{TRAIN_ARGS[@]}}" > {out}\n'
+    subprocess.run(["bash", "-c", edit_block + common + stand_in + run], check=True, capture_output=True, text=True,
+                   env={"PATH": os.environ["PATH"], **env})
+    return open(out).read().split("\0")[:-1]
+
+
+def config_as_train_loads_it(train_args: list[str]) -> dict:
+    """`python -m tfscale.train ARGS`'s config: the same CLI parsing (tfscale.config.run_cli), then printed
+    instead of trained (and not validated: the staged directory exists only on the nodes)."""
+    assert train_args[:2] == ["-m", "tfscale.train"]
+    load = "import json; from tfscale import config; config.run_cli(lambda c, w: print(json.dumps(c.to_dict())), '')"
+    result = subprocess.run([sys.executable, "-c", load, *train_args[2:]], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_32_gpu_recipe_trains_on_the_tfrecords_staged_on_each_node(tmp_path, shards):
+    """What the 8 x 4 GPU job's tasks run: the recipe's own dataset (TFRecords), read from the node-local copy."""
+    generate(tmp_path, f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=mwms",
+             f"--data_dir={shards}")
+    env = {"HOME": "/home/u", "TMPDIR": "/local/tmp", "SLURM_NNODES": "8", "SLURM_NTASKS": "32",
+           "SLURM_NTASKS_PER_NODE": "4"}
+    stage_dir = edit_block_values(tmp_path / "job.sbatch", "STAGE_DIR")["STAGE_DIR"]
+    assert stage_dir == "/local/tmp/tfscale_data"  # the default --stage_dir, expanded on the node
+    train_args = training_command(tmp_path / "job.sbatch", env)
+    assert f"--config={R50_32GPU}" in train_args
+    config = config_as_train_loads_it(train_args)
+    assert config["data"]["dataset"] == "tfrecord"
+    assert config["data"]["data_dir"] == stage_dir
+    assert config["data"]["stage_dir"] == ""  # staged by the script, not again by every task
+    assert config["distribute"]["backend"] == "mwms" and config["data"]["global_batch_size"] == 4096
+
+
+def test_tfrecord_recipe_without_data_dir_says_to_pass_it(tmp_path, capsys):
+    code = make_sbatch.main([f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=mwms",
+                             f"--output={tmp_path / 'job.sbatch'}"])
+    assert code == 2
+    assert (f"make_sbatch: {R50_32GPU} trains on config.data.dataset='tfrecord', which needs its files: "
+            "pass --data_dir=DIR") in capsys.readouterr().err
+    assert not (tmp_path / "job.sbatch").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data_dir={shards}/missing"], "--data_dir={shards}/missing is not a directory here"),
+    (["--data_dir={shards}", "--config.data.data_dir=/x"],
+     "--data_dir and --config.data.data_dir=/x are both given"),
+    (["--data_dir={shards}", "--config.data.stage_dir=/local"],
+     "--config.data.stage_dir=/local: the job script stages the data itself; use --stage_dir"),
+])
+def test_bad_data_requests_name_the_option(tmp_path, capsys, shards, args, message):
+    code = make_sbatch.main([f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=mwms",
+                             f"--output={tmp_path / 'job.sbatch'}", *(a.format(shards=shards) for a in args)])
+    assert code == 2
+    assert message.format(shards=shards) in capsys.readouterr().err
+
+
+def test_data_dir_for_a_synthetic_config_is_refused(tmp_path, capsys, shards):
+    """configs/smoke.py reads no files: a --data_dir would be staged and then ignored."""
+    code = make_sbatch.main([f"--config={os.path.join(REPO, 'configs', 'smoke.py')}", "--nodes=1",
+                             "--gpus_per_node=0", "--tasks_per_node=2", "--backend=mwms", f"--data_dir={shards}",
+                             f"--output={tmp_path / 'job.sbatch'}"])
+    assert code == 2
+    assert f"config.data.data_dir={shards!r} is set but config.data.dataset='synthetic_learnable'" \
+        in capsys.readouterr().err
 
 
 def test_template_drift_is_an_error():

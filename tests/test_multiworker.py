@@ -262,7 +262,8 @@ def test_slurm_tf_config_blocks_tasks_by_node():
     env = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4",
            "SLURM_PROCID": "3", "SLURM_JOB_ID": "1234"}
     tf_config = distribute.slurm_tf_config(env, port_base=0)
-    assert tf_config["cluster"]["worker"] == ["gpu01:21234", "gpu01:21235", "gpu02:21234", "gpu02:21235"]
+    # Default ports: a block of 8 from the job and step ids, 20000 + 8 * ((4 * 1234 + 0) % 2500).
+    assert tf_config["cluster"]["worker"] == ["gpu01:39488", "gpu01:39489", "gpu02:39488", "gpu02:39489"]
     assert tf_config["task"] == {"type": "worker", "index": 3}
     assert distribute.slurm_tf_config(env, port_base=30000)["cluster"]["worker"][0] == "gpu01:30000"
     with pytest.raises(ValueError, match="SLURM_NTASKS=5"):

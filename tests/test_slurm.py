@@ -1,16 +1,18 @@
 """tfscale under a REAL Slurm (Debian's slurmctld/slurmd/munge, a private single-host cluster started by
 tools/slurm_testbed.sh): scripts from tools/make_sbatch.py submitted with sbatch, 2 CPU tasks per job.
 
-Covered: MWMS (TF_CONFIG derived from Slurm's environment by tfscale), Horovod over Gloo launched by
-horovodrun inside the job, preemption (SIGTERM to the batch shell as `--signal=B:TERM@T` delivers it ->
+Covered: MWMS (TF_CONFIG derived from Slurm's environment by tfscale), MWMS steps that use part of a
+two-node allocation (two at once, one per node: the testbed emulates a second node on this host),
+Horovod over Gloo launched by horovodrun inside the job, preemption (SIGTERM to the batch shell as `--signal=B:TERM@T` delivers it ->
 forwarded to the tasks -> checkpoint, exit 75 -> `scontrol requeue` -> resumed run completes), and
-staging TFRecord shards to a node-local directory before training. Not coverable here: GPUs
+staging TFRecord shards to a node-local directory before a TFRecord recipe trains on the copy. Not coverable here: GPUs
 (--gpus-per-node lines are checked in test_make_sbatch.py only) and `srun --mpi=pmix` (this Horovod is
 built without MPI and Debian's Slurm plugin set is not exercised with PMIx).
 
 Without Slurm, or without root to install and run it, every test here is skipped with the reason.
 """
 
+import glob
 import hashlib
 import json
 import os
@@ -110,21 +112,21 @@ def slurm():
 
 def logs(root: str) -> str:
     texts = []
-    for name in ("log/slurmctld.log", "log/slurmd.log", "munge/munged.log"):
-        path = os.path.join(root, name)
+    slurmd_logs = sorted(glob.glob(os.path.join(root, "log", "slurmd-*.log")))  # one per node
+    for path in [os.path.join(root, "log", "slurmctld.log"), *slurmd_logs, os.path.join(root, "munge", "munged.log")]:
         if os.path.exists(path):
-            texts.append(f"--- {name}\n" + open(path).read()[-2000:])
+            texts.append(f"--- {os.path.relpath(path, root)}\n" + open(path).read()[-2000:])
     return "\n".join(texts)
 
 
 # --------------------------------------------------------------------------------------------- jobs
 
 
-def make_script(tmp_path, backend: str, *extra: str) -> str:
+def make_script(tmp_path, backend: str, *extra: str, config: str = "configs/smoke.py") -> str:
     """tools/make_sbatch.py for 1 node x 2 CPU tasks, workdir tmp_path/run, job log tmp_path/job-<id>.out."""
     script = tmp_path / "job.sbatch"
     result = subprocess.run(
-        [sys.executable, MAKE_SBATCH, "--config=configs/smoke.py", "--nodes=1", "--gpus_per_node=0",
+        [sys.executable, MAKE_SBATCH, f"--config={config}", "--nodes=1", "--gpus_per_node=0",
          "--tasks_per_node=2", "--cpus_per_task=1", f"--backend={backend}", "--time=00:10:00",
          f"--workdir={tmp_path / 'run'}", f"--output={script}", f"--job_output={tmp_path}/job-%j.out", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -139,8 +141,13 @@ def job_log(tmp_path, job_id: int) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def summary(tmp_path) -> dict:
-    return json.loads((tmp_path / "run" / "summary.json").read_text())
+def summary(tmp_path, run: str = "run") -> dict:
+    return json.loads((tmp_path / run / "summary.json").read_text())
+
+
+def default_port_base(job_id: int, step_id: int) -> int:
+    """MWMS ports of a Slurm step with distribute.port_base=0: blocks of 8 in 20000-39999, 4 steps per job."""
+    return 20000 + 8 * ((4 * job_id + step_id % 4) % 2500)
 
 
 def logged_steps(tmp_path) -> list[int]:
@@ -177,6 +184,74 @@ def test_expand_hostlist_matches_scontrol():
             assert distribute.expand_hostlist(form) == result.stdout.split(), form
 
 
+# A 4-task job on gpu[01-02] (2 per node) whose `srun -n 2` step runs on gpu02 only: what srun puts
+# in the environment of the step's second task.
+PARTIAL_STEP_ENV = {
+    "SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NODELIST": "gpu[01-02]",
+    "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4",
+    "SLURM_STEP_ID": "1", "SLURM_STEP_NODELIST": "gpu02", "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+}
+
+
+def test_step_variables_win_over_the_job_allocation():
+    """`srun -n 2` inside a 4-task allocation is a 2-worker cluster on the step's node."""
+    from tfscale.config import base_config
+
+    tf_config = distribute._resolve_tf_config(base_config().distribute, PARTIAL_STEP_ENV)
+    base = distribute.slurm_port_base(PARTIAL_STEP_ENV)
+    assert tf_config == {"cluster": {"worker": [f"gpu02:{base}", f"gpu02:{base + 1}"]},
+                         "task": {"type": "worker", "index": 1}}
+    assert distribute.slurm_num_tasks(PARTIAL_STEP_ENV) == 2
+    assert distribute.local_rank_from_env(PARTIAL_STEP_ENV) == 1
+
+
+def test_step_spread_over_nodes_and_job_level_fallback():
+    step_env = {**PARTIAL_STEP_ENV, "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    workers = distribute.slurm_tf_config(step_env, port_base=30000)["cluster"]["worker"]
+    assert workers == ["gpu01:30000", "gpu02:30000"]
+    # Without step variables (a launcher other than srun): the whole allocation, 4 workers.
+    job_env = {k: v for k, v in PARTIAL_STEP_ENV.items() if not k.startswith("SLURM_STEP")}
+    workers = distribute.slurm_tf_config(job_env, port_base=30000)["cluster"]["worker"]
+    assert workers == ["gpu01:30000", "gpu01:30001", "gpu02:30000", "gpu02:30001"]
+
+
+def test_one_task_step_in_a_larger_job_is_a_single_worker():
+    """e.g. a one-task srun (or the batch step) of a 4-task job: no cluster to wait for."""
+    from tfscale.config import base_config
+
+    env = {**PARTIAL_STEP_ENV, "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}
+    assert distribute._resolve_tf_config(base_config().distribute, env) is None
+
+
+def test_step_errors_name_the_step_variables():
+    with pytest.raises(ValueError, match=r"SLURM_STEP_NUM_TASKS=3 but SLURM_STEP_NODELIST / "
+                                         r"SLURM_STEP_TASKS_PER_NODE hold 2 task slots"):
+        distribute.slurm_tf_config({**PARTIAL_STEP_ENV, "SLURM_STEP_NUM_TASKS": "3"}, port_base=0)
+    mismatch = re.escape("SLURM_STEP_NODELIST=gpu02 has 1 hosts but SLURM_STEP_TASKS_PER_NODE=1(x2) describes 2")
+    with pytest.raises(ValueError, match=mismatch):
+        distribute.slurm_tf_config({**PARTIAL_STEP_ENV, "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}, port_base=0)
+    with pytest.raises(ValueError, match="SLURM_PROCID=2 is not a rank of the 2 tasks"):
+        distribute.slurm_tf_config({**PARTIAL_STEP_ENV, "SLURM_PROCID": "2"}, port_base=0)
+
+
+def step_ports(job_id: int, step_id: int, tasks_per_node: int = distribute.PORTS_PER_SLURM_STEP) -> set[int]:
+    base = distribute.slurm_port_base({"SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": str(step_id)})
+    return set(range(base, base + tasks_per_node))
+
+
+def test_default_ports_of_concurrent_steps_and_neighbouring_jobs_are_disjoint():
+    """Two steps of one job on one node, or jobs with nearby ids sharing a node, must not bind the same port."""
+    steps = range(distribute.CONCURRENT_SLURM_STEPS)
+    blocks = [step_ports(job_id, step) for job_id in range(100_000, 100_625) for step in steps]
+    assert len(set().union(*blocks)) == sum(map(len, blocks))  # no port in two blocks
+    assert all(20000 <= port < 40000 for block in blocks for port in block)
+    assert all(20000 <= min(step_ports(job_id, step)) for job_id in (0, 2**32 - 1) for step in (0, 2**32 - 2))
+    # An explicit distribute.port_base wins over the derived one.
+    assert distribute.slurm_tf_config(PARTIAL_STEP_ENV, port_base=30000)["cluster"]["worker"][0] == "gpu02:30000"
+
+
 @pytest.mark.slow
 def test_mwms_job_two_tasks(slurm, tmp_path):
     job_id = slurm.submit(make_script(tmp_path, "mwms", *SHORT))
@@ -185,11 +260,86 @@ def test_mwms_job_two_tasks(slurm, tmp_path):
     assert result["steps"] == 20 and result["num_workers"] == 2 and result["num_replicas"] == 2
     assert logged_steps(tmp_path) == [5, 10, 15, 20]
     assert "SLURM_RESTART_COUNT=0" in text and "nothing to stage" in text
-    # The cluster came from Slurm's variables: ports = 20000 + job id % 20000 (distribute.port_base=0).
+    # The cluster came from Slurm's variables (the training srun is the job's step 0; distribute.port_base=0).
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
-    port = 20000 + job_id % 20000
-    assert f"cluster_spec = {{'worker': ['{host}:{port}', '{host}:{port + 1}']}}" in text
+    port = default_port_base(job_id, step_id=0)
+    assert f"tfscale cluster from Slurm job {job_id} step 0: workers {host}:{port},{host}:{port + 1}\n" in text
     assert "rank=0/2" in text and "rank=1/2" in text and "backend=mwms" in text
+
+
+# Two MWMS trainings at once in one 4-task job on the testbed's two nodes: each an `srun --nodes=1
+# --ntasks=2` step, i.e. part of the allocation (--exact: a step gets only the CPUs it asks for).
+# The wrapper prints what the step is, then becomes the training process.
+PARTIAL_STEPS_JOB = """#!/bin/bash
+#SBATCH --partition=pair
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=1
+#SBATCH --time=00:10:00
+#SBATCH --output={out}/job-%j.out
+set -euo pipefail
+cd {repo}
+export OMP_NUM_THREADS=1 TF_NUM_INTRAOP_THREADS=1 TF_NUM_INTEROP_THREADS=2
+echo "job: SLURM_NTASKS=$SLURM_NTASKS SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
+pids=()
+for run in a b; do
+  srun --nodes=1 --ntasks=2 --exact --cpus-per-task=1 --output="{out}/step-$run.out" bash -c \\
+    'echo "step $SLURM_STEP_ID: $SLURM_STEP_NUM_TASKS tasks on $SLURM_STEP_NODELIST, started $(date +%s.%N)"
+     exec "$@"' \\
+    step {python} -m tfscale.train --config=configs/smoke.py --workdir="{out}/run-$run" \\
+    --config.distribute.backend=mwms {short} &
+  pids+=($!)
+done
+code=0
+for pid in "${{pids[@]}}"; do
+  wait "$pid" || code=$?
+done
+exit "$code"
+"""
+
+
+def pair_partition_or_skip(slurm) -> list[str]:
+    """The nodes of the testbed's two-node partition (skips the test on a host without one)."""
+    nodes = slurm.run("sinfo", "-h", "-p", "pair", "-N", "-o", "%N").split()
+    if len(nodes) != 2:
+        pytest.skip("the testbed has no two-node partition `pair` (a host named localhost gets none)")
+    return nodes
+
+
+@pytest.mark.slow
+def test_mwms_steps_using_part_of_a_two_node_allocation(slurm, tmp_path):
+    """Each step's cluster is its 2 tasks on its node, not the job's 4 on 2 nodes; concurrent steps of one
+    job (here on one real host) get disjoint default ports."""
+    nodes = pair_partition_or_skip(slurm)
+    script = tmp_path / "steps.sbatch"
+    script.write_text(PARTIAL_STEPS_JOB.format(out=tmp_path, repo=REPO, python=sys.executable, short=" ".join(SHORT)))
+    job_id = slurm.submit(script)
+    runs = slurm.wait(job_id)
+    text = job_log(tmp_path, job_id)
+    step_logs = {run: (tmp_path / f"step-{run}.out").read_text() for run in "ab"
+                 if (tmp_path / f"step-{run}.out").exists()}
+    assert runs == [("COMPLETED", "0:0")], f"runs {runs}\n{text[-2000:]}\n" + "\n".join(
+        f"--- step {run}\n{log[-3000:]}" for run, log in step_logs.items())
+    assert f"job: SLURM_NTASKS=4 SLURM_JOB_NODELIST={','.join(nodes)}" in text
+    steps = {}  # run -> (step id, node, start time)
+    for run, log in step_logs.items():
+        found = set(re.findall(r"step (\d+): 2 tasks on (\S+), started ([\d.]+)", log))
+        assert len(found) == 2, log[-3000:]  # one line per task, same step and node
+        step_id, node = {(step, node) for step, node, _ in found}.pop()
+        steps[run] = int(step_id), node, max(float(started) for _, _, started in found)
+        port = default_port_base(job_id, int(step_id))
+        assert f"tfscale cluster from Slurm job {job_id} step {step_id}: workers {node}:{port},{node}:{port + 1}\n" \
+            in log, log[-3000:]
+        assert "rank=0/2" in log and "rank=1/2" in log
+        result = summary(tmp_path, f"run-{run}")
+        assert result["steps"] == 20 and result["num_workers"] == 2 and result["num_replicas"] == 2
+        config = json.loads((tmp_path / f"run-{run}" / "config.json").read_text())
+        assert config["distribute"]["backend"] == "mwms"
+    assert sorted(node for _, node, _ in steps.values()) == sorted(nodes)
+    assert sorted(step_id for step_id, _, _ in steps.values()) == [0, 1]
+    # The two trainings overlapped: both had started before the first finished (its summary.json).
+    finished = [os.path.getmtime(tmp_path / f"run-{run}" / "summary.json") for run in "ab"]
+    assert max(started for _, _, started in steps.values()) < min(finished)
 
 
 @pytest.mark.slow
@@ -293,21 +443,28 @@ def sha256(path) -> str:
 
 @pytest.mark.slow
 def test_staging_step_copies_shards_and_training_reads_the_copy(slurm, tmp_path, shards):
+    """A TFRecord recipe (the CIFAR one, shrunk to the tiny shards) run as make_sbatch writes it: no dataset
+    override, the shards staged to node-local disk, training reads the copy."""
     stage_dir = str(tmp_path / "node_local")
     script = make_script(
-        tmp_path, "mwms", f"--data_dir={shards}", f"--stage_dir={stage_dir}",
-        "--config.data.dataset=tfrecord", "--config.data.num_classes=2", "--config.data.augment=none",
+        tmp_path, "mwms", f"--data_dir={shards}", f"--stage_dir={stage_dir}", "--config.data.num_classes=2",
         f"--config.data.num_train_examples={2 * TRAIN_PER_CLASS}", f"--config.data.num_eval_examples={2 * EVAL_PER_CLASS}",
         "--config.data.global_batch_size=8", "--config.train.epochs=1", "--config.train.log_every_steps=2",
+        "--config.schedule.decay=cosine",  # the recipe's steps at epochs 91 and 136 lie beyond 1 epoch
+        "--config.model.name=cifar_resnet8",  # the recipe's data path; a smaller model keeps the job short
+        config="configs/cifar_resnet20.py",
     )
     job_id = slurm.submit(script)
     text = assert_completed_once(slurm, tmp_path, job_id)
     names = ["train-00000-of-00002", "train-00001-of-00002", "validation-00000-of-00001"]
-    for name in names + ["train-manifest.json", "validation-manifest.json"]:
+    converted = sorted(name for name in os.listdir(shards) if not name.startswith("."))  # shards + manifests
+    assert set(names) < set(converted)
+    for name in converted:
         assert sha256(os.path.join(stage_dir, name)) == sha256(os.path.join(shards, name)), name
-    assert re.search(rf"staged {re.escape(shards)} -> {re.escape(stage_dir)}: copied 3 files", text), text[-3000:]
-    # Training was pointed at the staged copy (not the shared one) and read all of it.
+    assert re.search(rf"staged {re.escape(shards)} -> {re.escape(stage_dir)}: copied \d+ files", text), text[-3000:]
+    # Training read TFRecords (the recipe's own dataset), from the staged copy (not the shared one), all of it.
     config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data"]["dataset"] == "tfrecord"
     assert config["data"]["data_dir"] == stage_dir
     eval_rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "eval_top1" in r]
     assert eval_rows[-1]["eval_examples"] == 2 * EVAL_PER_CLASS

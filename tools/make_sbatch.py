@@ -2,8 +2,8 @@
 r"""Write a ready-to-submit Slurm batch script for a tfscale run from slurm/{mwms,horovod}.sbatch.
 
     python tools/make_sbatch.py --config=configs/r50_32gpu.py --nodes=8 --gpus_per_node=4 --backend=mwms \
+        --data_dir=/shared/imagenet/tfrecords [--stage_dir='$TMPDIR/imagenet'] \
         --partition=gpu --account=myproject --time=24:00:00 --workdir=/shared/runs/r50 \
-        [--data_dir=/shared/imagenet/tfrecords] [--stage_dir='$TMPDIR/imagenet'] \
         [--output=r50_32gpu.sbatch] [--config.optim.lr_per_256=0.1 ...]
     sbatch r50_32gpu.sbatch
 
@@ -11,6 +11,11 @@ One task per GPU: nodes x gpus_per_node replicas, which must divide the config's
 check is tfscale.config.validate's, so a bad split fails here, naming the nearest valid batch sizes,
 instead of minutes into a queued job). CPU-only nodes: --gpus_per_node=0 --tasks_per_node=T.
 `--config.x.y=v` overrides are validated with the config and passed on to every task unchanged.
+
+Data: a config that reads files (the ImageNet and CIFAR recipes: data.dataset=tfrecord) needs
+--data_dir, the shards on a file system every node reads; make_sbatch checks it exists here and
+validates the config with it. The job copies the shards to --stage_dir on each node (node-local
+disk) and trains with data.data_dir pointing at that copy; --stage_dir='' reads --data_dir in place.
 `--backend=horovod` adds `--launcher=srun-pmix` (MPI builds, default) or `horovodrun-gloo`.
 
 The script is the template with its #SBATCH lines and its EDIT HERE block filled in; everything else
@@ -33,6 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # validation imports TensorF
 TEMPLATES = {"mwms": os.path.join(REPO, "slurm", "mwms.sbatch"),
              "horovod": os.path.join(REPO, "slurm", "horovod.sbatch")}
 LAUNCHERS = ("srun-pmix", "horovodrun-gloo")
+FILE_DATASETS = ("tfrecord", "tfds")  # config.data.dataset values read from config.data.data_dir
 DEFAULT_GPU_CPUS_PER_TASK = 8  # input pipeline threads per GPU: JPEG decoding needs several cores
 _SBATCH_LINE = re.compile(r"^#{1,2}SBATCH\s+--([\w-]+)(?:=(.*))?$")
 _EDIT_BEGIN, _EDIT_END = "# =====", "# ====="  # the EDIT HERE block sits between two such rulers
@@ -67,7 +73,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--signal_lead_s", type=int, default=300,
                         help="SIGTERM this many seconds before the time limit: enough to finish a step and checkpoint")
     parser.add_argument("--workdir", help="run directory on a shared file system; default: <tfscale_dir>/runs/<config name>")
-    parser.add_argument("--data_dir", default="", help="TFRecord shards on the shared file system; '' keeps the config's")
+    parser.add_argument("--data_dir", default="",
+                        help="TFRecord shards on a shared file system (tfrecord configs need it); '' = the config's")
     parser.add_argument("--stage_dir", default="${TMPDIR:-/tmp}/tfscale_data",
                         help="node-local staging directory (expanded on the node); '' reads data_dir in place")
     parser.add_argument("--modules", default="", help="environment modules to load, e.g. 'cuda/12.4 nccl/2.21'")
@@ -120,14 +127,44 @@ def validation_overrides(args: argparse.Namespace, overrides: list[str]) -> list
             raise UsageError(f"{override}: the backend is chosen with --backend (mwms or horovod)")
     extra = [f"--config.distribute.backend={args.backend}"]
     if args.data_dir:
-        extra.append(f"--config.data.data_dir={os.path.abspath(args.data_dir)}")
+        extra.append(f"--config.data.data_dir={data_dir_path(args.data_dir)}")
     return [*overrides, *extra]
 
 
+def data_dir_path(data_dir: str) -> str:
+    """--data_dir as the job sees it: absolute, unless it is a URL (gs://...)."""
+    return data_dir if "://" in data_dir else os.path.abspath(data_dir)
+
+
+def check_data_request(cfg, args: argparse.Namespace, overrides: list[str]) -> None:
+    """Where the tasks' data comes from, in make_sbatch's terms; checked before `validate`, whose messages
+    name config keys, not the make_sbatch options that set them."""
+    for override in overrides:
+        if override.startswith("--config.data.stage_dir="):
+            raise UsageError(f"{override}: the job script stages the data itself; use --stage_dir")
+        if args.data_dir and override.startswith("--config.data.data_dir="):
+            raise UsageError(f"--data_dir and {override} are both given: --data_dir is staged to --stage_dir on "
+                             "every node, --config.data.data_dir is read in place; give one")
+    if cfg.data.dataset in FILE_DATASETS and not cfg.data.data_dir:
+        raise UsageError(f"{args.config} trains on config.data.dataset={cfg.data.dataset!r}, which needs its "
+                         "files: pass --data_dir=DIR (the shards on a file system every node can read; the job "
+                         "stages them to --stage_dir on each node first)")
+    if args.data_dir and "://" not in args.data_dir and not os.path.isdir(args.data_dir):
+        raise UsageError(f"--data_dir={args.data_dir} is not a directory here: make_sbatch checks the data before "
+                         "the job queues, so run it where the shared file system is mounted")
+    if args.data_dir and args.stage_dir and cfg.data.dataset == "tfds":
+        raise UsageError("staging copies TFRecord shards; a TFDS data_dir is read in place: add --stage_dir=''")
+
+
 def check_config(cfg, nodes: int, tasks: int) -> None:
-    """tfscale.config.validate for the job's replica count (one replica per task)."""
+    """tfscale.config.validate, then again for the job's replica count (one replica per task): errors
+    about the split name it, the others are the config's alone."""
     from tfscale import config as tfs_config
 
+    try:
+        tfs_config.validate(cfg)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     replicas = nodes * tasks
     try:
         tfs_config.validate(cfg, num_replicas=replicas)
@@ -176,7 +213,7 @@ def edit_values(args: argparse.Namespace, overrides: list[str]) -> dict[str, str
         "CONFIG": double_quote(os.path.abspath(args.config)),
         "CONFIG_OVERRIDES": "(" + " ".join(shlex.quote(o) for o in overrides) + ")",
         "WORKDIR": double_quote(os.path.abspath(workdir)),
-        "DATA_DIR": double_quote(os.path.abspath(args.data_dir) if args.data_dir else ""),
+        "DATA_DIR": double_quote(data_dir_path(args.data_dir) if args.data_dir else ""),
         "STAGE_DIR": double_quote(args.stage_dir),
     }
     if args.backend == "horovod":
@@ -248,6 +285,7 @@ def make_script(argv: list[str]) -> tuple[str, str]:
     args, overrides = parse_args(argv)
     tasks = tasks_per_node(args)
     cfg = load_config(args.config, validation_overrides(args, overrides))
+    check_data_request(cfg, args, overrides)
     check_config(cfg, args.nodes, tasks)
     with open(TEMPLATES[args.backend]) as f:
         text = render(f.read(), sbatch_options(args, tasks), edit_values(args, overrides))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A private, single-host Slurm (munged + slurmctld + slurmd) for testing tfscale's sbatch scripts.
+# A private, single-host Slurm (munged + slurmctld + two slurmd) for testing tfscale's sbatch scripts.
 #
 #   tools/slurm_testbed.sh install          apt-get the Debian packages if missing (root; what `make slurm` runs)
 #   tools/slurm_testbed.sh start DIR        write DIR/slurm.conf + a munge key, start the daemons,
@@ -10,11 +10,21 @@
 # testbed does not disturb (or depend on) a system Slurm. Without systemd the daemons are started
 # by hand; `stop` ends exactly the processes whose pid files `start` wrote.
 #
-# Environment: SLURM_TESTBED_CTLD_PORT / SLURM_TESTBED_SLURMD_PORT fix the daemon ports (default: a
-# random free pair in 40000-49999; tfscale's Slurm jobs derive MWMS ports in 20000-39999).
+# Nodes: `hostname -s`, alone in the default partition `debug`, and a second node emulated on the
+# same host, named `localhost` (a name every host resolves to itself), which joins the first in the
+# partition `pair`. Jobs there span two nodes, so a job step can use part of an allocation (its
+# SLURM_STEP_NODELIST differs from SLURM_JOB_NODELIST) as on a real cluster. Each node has its own
+# slurmd (`slurmd -N NAME`: own port, spool, pid and log file). A host named localhost gets no
+# second node and no `pair` partition.
+#
+# Environment: SLURM_TESTBED_CTLD_PORT / SLURM_TESTBED_SLURMD_PORT fix the daemon ports (the second
+# slurmd takes the next port; default: a random free triple in 40000-49999; tfscale's Slurm jobs
+# derive MWMS ports in 20000-39999).
 set -euo pipefail
 
 PACKAGES=(slurmctld slurmd slurm-client munge shellcheck)
+SECOND_NODE=localhost
+PAIR_PARTITION=pair
 READY_TIMEOUT_S=${SLURM_TESTBED_READY_TIMEOUT_S:-60}
 STOP_TIMEOUT_S=10
 
@@ -63,15 +73,39 @@ start_munged() {
     --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/munged.seed"
 }
 
+# The testbed's node names: the host, then the emulated second node (unless the host has its name).
+node_names() {
+  local host=$1
+  echo "$host"
+  if [ "$host" != "$SECOND_NODE" ]; then
+    echo "$SECOND_NODE"
+  fi
+}
+
+# NodeName and PartitionName lines: node i gets slurmd port slurmd_port+i.
+node_lines() {
+  local host=$1 slurmd_port=$2 name i=0
+  for name in $(node_names "$host"); do
+    echo "NodeName=$name NodeAddr=127.0.0.1 Port=$((slurmd_port + i)) CPUs=$(nproc) State=UNKNOWN"
+    i=$((i + 1))
+  done
+  echo "PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP"
+  if [ "$i" = 2 ]; then
+    echo "PartitionName=$PAIR_PARTITION Nodes=$host,$SECOND_NODE MaxTime=INFINITE State=UP"
+  fi
+}
+
 write_slurm_conf() {
-  local dir=$1 host=$2 ctld_port=$3 slurmd_port=$4
-  mkdir -p "$dir/state" "$dir/spool" "$dir/log"
+  local dir=$1 host=$2 ctld_port=$3 slurmd_port=$4 name
+  mkdir -p "$dir/state" "$dir/log"
+  for name in $(node_names "$host"); do
+    mkdir -p "$dir/spool/$name"
+  done
   cat > "$dir/slurm.conf" << EOF
 # Private single-host Slurm written by tools/slurm_testbed.sh; see that script.
 ClusterName=tfscale-testbed
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctld_port
-SlurmdPort=$slurmd_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -79,11 +113,12 @@ CredType=cred/munge
 # cred_expire=10: a requeued job may start 10 s after its first run ended (default: 121 s).
 AuthInfo=socket=$dir/munge/munge.socket,cred_expire=10
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+# %n: the node name, so that the two slurmd of this host keep apart.
+SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
 # No cgroups or systemd here: track processes by parent pid, bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -101,8 +136,7 @@ SchedulerType=sched/backfill
 # Short scheduling and kill delays keep the tests quick.
 SchedulerParameters=sched_interval=2
 KillWait=30
-NodeName=$host NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
-PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+$(node_lines "$host" "$slurmd_port")
 EOF
 }
 
@@ -110,14 +144,28 @@ daemon_alive() {
   [ -f "$1" ] && kill -0 "$(cat "$1")" 2> /dev/null
 }
 
-wait_for_idle_node() {
-  local dir=$1 host=$2 deadline=$((SECONDS + READY_TIMEOUT_S)) grace_end=$((SECONDS + 3)) state="" daemon
+# "name state" of each testbed node that is not idle yet; nothing once all are.
+busy_nodes() {
+  local host=$1 states name
+  if ! states=$(sinfo -h -N -o "%N %T" 2> /dev/null); then
+    echo "(slurmctld does not answer yet)"
+    return
+  fi
+  for name in $(node_names "$host"); do
+    if ! grep -qx "$name idle" <<< "$states"; then
+      echo "$name $(grep "^$name " <<< "$states" | cut -d' ' -f2)"
+    fi
+  done
+}
+
+wait_for_idle_nodes() {
+  local dir=$1 host=$2 deadline=$((SECONDS + READY_TIMEOUT_S)) grace_end=$((SECONDS + 3)) busy="" daemon
   while [ "$SECONDS" -lt "$deadline" ]; do
-    state=$(sinfo -h -n "$host" -o %T 2> /dev/null || true)
-    if [ "$state" = idle ]; then
+    busy=$(busy_nodes "$host")
+    if [ -z "$busy" ]; then
       return 0
     fi
-    for daemon in slurmctld slurmd; do
+    for daemon in slurmctld $(node_names "$host" | sed 's/^/slurmd-/'); do
       # After a grace period: the daemons write their pid files a moment after forking.
       if [ "$SECONDS" -ge "$grace_end" ] && ! daemon_alive "$dir/$daemon.pid"; then
         die "$daemon exited during start-up; last lines of $dir/log/$daemon.log:
@@ -126,25 +174,26 @@ $(tail -n 5 "$dir/log/$daemon.log" 2> /dev/null)"
     done
     sleep 0.5
   done
-  die "node $host not idle after ${READY_TIMEOUT_S}s (state: '${state:-no answer}'); logs in $dir/log"
+  die "nodes not idle after ${READY_TIMEOUT_S}s: $(paste -sd ';' <<< "$busy"); logs in $dir/log"
 }
 
 port_in_use() {
   (exec 3<> "/dev/tcp/127.0.0.1/$1") 2> /dev/null
 }
 
-# Two adjacent ports nobody listens on, picked at random in 40000-49999 (jobs' MWMS ports sit in
-# 20000-39999). A fixed pair would collide with a second testbed or another service.
+# Three adjacent ports nobody listens on (slurmctld, the two slurmd), picked at random in
+# 40000-49999 (jobs' MWMS ports sit in 20000-39999). Fixed ones would collide with a second
+# testbed or another service.
 pick_ports() {
   local port attempt
   for attempt in $(seq 1 50); do
-    port=$((40000 + (RANDOM % 5000) * 2))
-    if ! port_in_use "$port" && ! port_in_use $((port + 1)); then
+    port=$((40000 + (RANDOM % 3333) * 3))
+    if ! port_in_use "$port" && ! port_in_use $((port + 1)) && ! port_in_use $((port + 2)); then
       echo "$port"
       return 0
     fi
   done
-  die "no free port pair in 40000-49999 after $attempt tries"
+  die "no 3 free adjacent ports in 40000-49999 after $attempt tries"
 }
 
 start() {
@@ -163,8 +212,11 @@ start() {
   export SLURM_CONF=$dir/slurm.conf
   # -c: start from a clean state (no jobs from an earlier testbed in this directory).
   slurmctld -c -f "$SLURM_CONF"
-  slurmd -f "$SLURM_CONF"
-  wait_for_idle_node "$dir" "$host"
+  local name
+  for name in $(node_names "$host"); do
+    slurmd -f "$SLURM_CONF" -N "$name"
+  done
+  wait_for_idle_nodes "$dir" "$host"
   echo "export SLURM_CONF=$SLURM_CONF"
 }
 
@@ -197,7 +249,10 @@ stop() {
     export SLURM_CONF=$dir/slurm.conf
     cancel_jobs
   fi
-  stop_pid_file "$dir/slurmd.pid"
+  local pid_file
+  for pid_file in "$dir"/slurmd-*.pid; do
+    stop_pid_file "$pid_file"
+  done
   stop_pid_file "$dir/slurmctld.pid"
   stop_pid_file "$dir/munge/munged.pid"
   rm -rf "$dir"
