@@ -1,25 +1,26 @@
 # Two commands for a fresh clone: `make demo` and `make test`. Both build .venv from this repo's files.
+# Another environment: `make VENV=/path/to/venv ...` installs into that one (created if missing).
 PYTHON ?= python3
 VENV ?= .venv
-# TensorFlow wheel: cpu here, gpu on CUDA hosts (make TF_EXTRA=gpu demo).
+# TensorFlow wheel: cpu here, gpu on CUDA hosts (make TF_EXTRA=gpu demo); TF_EXTRA= (empty) keeps the
+# TensorFlow the environment already has (a cluster module).
 TF_EXTRA ?= cpu
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(TF_EXTRA)
+STAMP := $(VENV)/.installed-$(or $(TF_EXTRA),own-tf)
+comma := ,
+EXTRAS := $(if $(TF_EXTRA),$(TF_EXTRA)$(comma))test
 
 HOROVOD_STAMP := $(VENV)/.installed-horovod
 
 .PHONY: venv horovod slurm demo test test-fast test-slow bench-input bench-fit bench-convert bench-scaling clean
 
-# TensorFlow's C++ start-up chatter hides the progress lines.
-export TF_CPP_MIN_LOG_LEVEL ?= 2
-
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/constraints-cpu.txt
-	$(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==25.3
 	# Constraints pin every transitive package to the set tested together.
-	$(PY) -m pip install --quiet -c requirements/constraints-cpu.txt -e ".[$(TF_EXTRA),test]"
+	$(PY) -m pip install --quiet -c requirements/constraints-cpu.txt -e ".[$(EXTRAS)]"
 	touch $@
 
 # Horovod 0.28.1 from source against the installed TensorFlow (~3 min on 2 cores); see README 'Horovod'.
@@ -49,7 +50,7 @@ test-slow: venv horovod slurm
 # Input pipeline vs decode-only ceiling vs Keras image_dataset_from_directory, on real-photo JPEGs.
 bench-input: venv
 	test -d runs/photos || $(PY) tools/make_photo_tree.py runs/photos --classes 10 --per_class 200
-	test -f runs/photo_shards/train-manifest.json || \
+	test -f runs/photo_shards/manifest-train.json || \
 	  $(PY) tools/tfrecord_convert.py --input_dir=runs/photos --output_dir=runs/photo_shards --split=train --num_shards=16
 	$(PY) -m tfscale.benchmark --config=configs/r50_1gpu.py --workdir=runs/bench_input \
 	  --config.benchmark.mode=input --config.data.dataset=tfrecord --config.data.data_dir=runs/photo_shards \
