@@ -35,8 +35,8 @@ _WARMUP = flags.DEFINE_integer("num_warmup_batches", 10, "Untimed steps per run.
 _THREADS = flags.DEFINE_integer("threads_per_worker", 1, "Threads per worker (0: the launcher's default).")
 _REFERENCE = flags.DEFINE_integer("reference", None, "Worker count of the reference (default: the smallest).")
 
-_BACKENDS = ("mwms", "horovod")  # launcher and config spell them alike
-flags.register_validator("backends", lambda names: set(names) <= set(_BACKENDS), "--backends: mwms and/or horovod")
+_BACKEND_NAMES = ("mwms", "horovod")  # launcher and config spell them alike
+flags.register_validator("backends", lambda names: set(names) <= set(_BACKEND_NAMES), "--backends: mwms and/or horovod")
 
 
 def benchmark_command(backend: str, num_workers: int, workdir: str, overrides: list[str]) -> list[str]:
