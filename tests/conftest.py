@@ -34,3 +34,41 @@ def run_cli(module: str, *args: str, timeout_s: float = 600, cwd: str = REPO):
 @pytest.fixture
 def repo():
     return REPO
+
+
+def classic_example(jpeg: bytes, height: int, width: int, label: int, synset: str, filename: str,
+                    boxes: list[tuple[float, float, float, float]]) -> bytes:
+    """The tf.train.Example of build_imagenet_data.py's _convert_to_example, feature for feature.
+
+    For tests of shards written by the classic converters (no manifest, 1-based labels, bounding boxes).
+    """
+    import tensorflow as tf  # here: conftest itself must not import TensorFlow
+
+    def floats(values):
+        return tf.train.Feature(float_list=tf.train.FloatList(value=values))
+
+    def ints(values):
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
+
+    def byte(value: bytes):
+        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
+
+    xmin, ymin, xmax, ymax = (list(coords) for coords in zip(*boxes)) if boxes else ([], [], [], [])
+    feature = {
+        "image/height": ints([height]),
+        "image/width": ints([width]),
+        "image/colorspace": byte(b"RGB"),
+        "image/channels": ints([3]),
+        "image/class/label": ints([label]),
+        "image/class/synset": byte(synset.encode()),
+        "image/class/text": byte(f"text of {synset}".encode()),
+        "image/object/bbox/xmin": floats(xmin),
+        "image/object/bbox/xmax": floats(xmax),
+        "image/object/bbox/ymin": floats(ymin),
+        "image/object/bbox/ymax": floats(ymax),
+        "image/object/bbox/label": ints([label] * len(boxes)),
+        "image/format": byte(b"JPEG"),
+        "image/filename": byte(filename.encode()),
+        "image/encoded": byte(jpeg),
+    }
+    return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()

@@ -20,6 +20,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from conftest import classic_example  # noqa: E402
+
 from tfscale.config import base_config  # noqa: E402
 from tfscale.data import assignment, convert, pipeline, stage  # noqa: E402
 
@@ -165,39 +167,6 @@ def test_round_trip_is_lossless_with_sorted_class_labels(data):
 CLASSIC_COLOURS = np.array([[220, 30, 30], [30, 200, 40], [40, 40, 220], [230, 220, 40]])  # label 1..4
 
 
-def classic_example(jpeg: bytes, height: int, width: int, label: int, filename: str, num_boxes: int) -> bytes:
-    """A tf.train.Example with the full feature dict `build_imagenet_data.py` (_convert_to_example) writes."""
-    def floats(values):
-        return tf.train.Feature(float_list=tf.train.FloatList(value=values))
-
-    def ints(values):
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
-
-    def byte(value):
-        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
-
-    boxes = [(0.1 * k, 0.2, 0.5 + 0.1 * k, 0.9) for k in range(num_boxes)]  # xmin, ymin, xmax, ymax
-    synset = f"n0000000{label}".encode()
-    feature = {
-        "image/height": ints([height]),
-        "image/width": ints([width]),
-        "image/colorspace": byte(b"RGB"),
-        "image/channels": ints([3]),
-        "image/class/label": ints([label]),
-        "image/class/synset": byte(synset),
-        "image/class/text": byte(b"class " + synset),
-        "image/object/bbox/xmin": floats([b[0] for b in boxes]),
-        "image/object/bbox/xmax": floats([b[2] for b in boxes]),
-        "image/object/bbox/ymin": floats([b[1] for b in boxes]),
-        "image/object/bbox/ymax": floats([b[3] for b in boxes]),
-        "image/object/bbox/label": ints([label] * num_boxes),
-        "image/format": byte(b"JPEG"),
-        "image/filename": byte(filename.encode()),
-        "image/encoded": byte(jpeg),
-    }
-    return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
-
-
 @pytest.fixture(scope="module")
 def classic_dir(tmp_path_factory):
     """Shards as build_imagenet_data.py writes them (1-based labels 1..4, no manifest); {split: labels}."""
@@ -214,7 +183,8 @@ def classic_dir(tmp_path_factory):
             pixels = CLASSIC_COLOURS[label - 1] + rng.integers(-12, 13, (height, width, 3))
             jpeg = jpeg_bytes(np.clip(pixels, 0, 255).astype(np.uint8))
             writers[i % num_shards].write(
-                classic_example(jpeg, height, width, label, f"{split}_{i}.JPEG", num_boxes=i % 3))
+                classic_example(jpeg, height, width, label, f"n0000000{label}", f"{split}_{i}.JPEG",
+                                boxes=[(0.1 * k, 0.2, 0.5 + 0.1 * k, 0.9) for k in range(i % 3)]))
             labels[split].append(label - 1)
         for w in writers:
             w.close()

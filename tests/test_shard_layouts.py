@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import REPO, run_cli
+from conftest import REPO, classic_example, run_cli
 
 from tfscale.config import base_config
 from tfscale.data import convert, pipeline, stage
@@ -161,39 +161,6 @@ def test_tfscale_reads_it_and_a_nodes_staged_copy_too(converted, tmp_path):
 
 
 # ----------------------------------------------------- 2. classic build_imagenet_data.py shards, trained
-
-
-def classic_example(jpeg: bytes, height: int, width: int, label: int, synset: str, filename: str,
-                    boxes: list[tuple[float, float, float, float]]) -> bytes:
-    """The tf.train.Example of build_imagenet_data.py's _convert_to_example, feature for feature."""
-    def floats(values):
-        return tf.train.Feature(float_list=tf.train.FloatList(value=values))
-
-    def ints(values):
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
-
-    def byte(value: bytes):
-        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
-
-    xmin, ymin, xmax, ymax = (list(coords) for coords in zip(*boxes)) if boxes else ([], [], [], [])
-    feature = {
-        "image/height": ints([height]),
-        "image/width": ints([width]),
-        "image/colorspace": byte(b"RGB"),
-        "image/channels": ints([3]),
-        "image/class/label": ints([label]),
-        "image/class/synset": byte(synset.encode()),
-        "image/class/text": byte(f"text of {synset}".encode()),
-        "image/object/bbox/xmin": floats(xmin),
-        "image/object/bbox/xmax": floats(xmax),
-        "image/object/bbox/ymin": floats(ymin),
-        "image/object/bbox/ymax": floats(ymax),
-        "image/object/bbox/label": ints([label] * len(boxes)),
-        "image/format": byte(b"JPEG"),
-        "image/filename": byte(filename.encode()),
-        "image/encoded": byte(jpeg),
-    }
-    return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
 
 
 def write_classic_split(photo_dir: str, out_dir: str, split: str, num_shards: int) -> int:
