@@ -252,8 +252,8 @@ def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples:
     """The directory to read shards from: staged to `data.stage_dir` first when set; checked.
 
     Staging copies every eval shard and, with `worker_ranks` (of `num_workers`), only the train shards
-    those workers read under data.assignment; without them (how train.py and benchmark.py call it: a worker learns its rank only after
-    staging has begun) every shard.
+    those workers read under data.assignment; without them every shard (how train.py and benchmark.py
+    call it: a worker learns its rank only after staging has begun).
     A staged copy may lack other workers' train shards: each worker checks its own when it builds
     its dataset. Anywhere else every shard must be there.
     """
