@@ -2,6 +2,8 @@
 
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 from absl import flags
@@ -246,3 +248,27 @@ def test_recipe_on_one_replica_is_refused_before_anything_is_built(tmp_path):
     assert result.returncode != 0
     assert "each would take 4096 images" in result.stderr and "--config.data.global_batch_size=128" in result.stderr
     assert "parameters" not in result.stderr  # the model was never built
+
+
+def test_dispatch_names_equal_the_implementing_modules():
+    from tfscale import models, optim
+    from tfscale.data import preprocess
+
+    assert tfs_config.MODEL_NAMES == tuple(models.MODELS)
+    assert tfs_config.OPTIMIZERS == optim.OPTIMIZERS
+    assert tfs_config.AUGMENTS == preprocess.AUGMENTS
+    assert tfs_config.BATCH_AUGMENTS == preprocess.BATCH_AUGMENTS
+
+
+def test_validate_does_not_import_tensorflow():
+    script = (
+        "import sys\n"
+        "import tfscale.config\n"
+        "cfg = tfscale.config.base_config()\n"
+        "cfg.data.dataset = 'synthetic'\n"
+        "tfscale.config.validate(cfg, num_replicas=1)\n"
+        "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'tensorflow', 'keras'})\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfscale import config as tfs_config
 from tfscale import models
 
 IMAGENET_NAMES = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
@@ -234,3 +235,28 @@ def test_unknown_name_lists_valid_names():
 def test_every_builder_is_named_after_its_key():
     for name, builder in models.MODELS.items():
         assert builder.__name__ == name
+
+
+def test_unknown_option_is_refused():
+    with pytest.raises(TypeError, match="bn_momentun"):
+        models.create("cifar_resnet8", 10, (32, 32, 3), bn_momentun=0.9)
+
+
+def test_create_from_config_reads_the_model_and_data_keys():
+    cfg = tfs_config.base_config()
+    cfg.model.name = "cifar_resnet8"
+    cfg.data.num_classes = 7
+    cfg.data.image_size = 24
+    cfg.model.zero_init_residual = False
+    cfg.model.bn_momentum = 0.8
+    cfg.model.bn_epsilon = 1e-3
+    cfg.model.sync_bn = True
+    cfg.model.data_format = "channels_first"
+    model = models.create_from_config(cfg)
+    assert model.name == "cifar_resnet8"
+    assert tuple(model.inputs[0].shape) == (None, 24, 24, 3) and tuple(model.outputs[0].shape) == (None, 7)
+    batch_norms = _batch_norm_layers(model, "")
+    assert batch_norms and all(layer.momentum == 0.8 and layer.epsilon == 1e-3 and layer.synchronized
+                               and np.all(layer.gamma.numpy() == 1.0) for layer in batch_norms)
+    assert model.get_layer("stem_conv").data_format == "channels_first"
+    np.testing.assert_allclose(model.get_layer("normalize").mean_rgb, models.IMAGENET_MEAN_RGB)

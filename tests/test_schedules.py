@@ -13,8 +13,17 @@ import numpy as np
 import pytest
 
 from tfscale import schedules
+from tfscale.config import base_config
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
+
+
+def linked_lr(lr_per_256: float, global_batch_size: int) -> float:
+    """config.optim.lr, the linked linear-scaling field, for this batch."""
+    cfg = base_config()
+    cfg.optim.lr_per_256 = lr_per_256
+    cfg.data.global_batch_size = global_batch_size
+    return cfg.optim.lr
 
 
 def sched_cfg(**overrides) -> ml_collections.ConfigDict:
@@ -50,11 +59,11 @@ def approx(x):
     (0.2, 128, 0.1),
 ])
 def test_scaled_lr(lr_per_256, batch, expected):
-    assert schedules.scaled_lr(lr_per_256, batch) == approx(expected)
+    assert linked_lr(lr_per_256, batch) == approx(expected)
 
 
 def test_scaled_lr_32_gpu_recipe_is_exactly_1_6():
-    assert schedules.scaled_lr(0.1, 4096) == 1.6
+    assert linked_lr(0.1, 4096) == 1.6
 
 
 # --------------------------------------------------------------------------------------------------
@@ -73,7 +82,7 @@ def goyal_lr():
     assert IMAGENET_TRAIN_IMAGES // 4096 == GOYAL_STEPS_PER_EPOCH
     cfg = sched_cfg(warmup="gradual", warmup_epochs=5.0, warmup_init_lr=0.1, decay="step",
                     decay_epochs=(30, 60, 80), decay_factor=0.1)
-    return schedules.make_schedule(cfg, base_lr=schedules.scaled_lr(0.1, 4096),
+    return schedules.make_schedule(cfg, base_lr=linked_lr(0.1, 4096),
                                    steps_per_epoch=GOYAL_STEPS_PER_EPOCH, total_steps=90 * 312)
 
 

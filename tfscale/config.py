@@ -9,6 +9,8 @@ shows it. Durations are written in epochs (floats) and turned into steps only by
 `validate(cfg, num_replicas)` turns every mistake we can foresee into a ValueError that names the key
 and the value, before any expensive work starts. It also fills the one automatic value,
 `data.label_offset=-1` (1 for ImageNet-layout TFRecord shards, 0 for TFDS), so config.json records what ran.
+Neither importing this module nor validating imports TensorFlow or Keras, so a bad config fails in
+about a second.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from tfscale import logs
+from tfscale import logs, schedules
+from tfscale.data import assignment  # pure Python, like schedules: neither imports TensorFlow
 
 
 class ConfigError(ValueError):
@@ -48,11 +51,19 @@ CONVERT_HINT = (
 AUTO_LABEL_OFFSET = {"tfrecord": 1, "tfds": 0, "synthetic": 0, "synthetic_learnable": 0}
 _SYNTHETIC = ("synthetic", "synthetic_learnable")
 
-# Names the code dispatches on. They live here (not imported from the modules that implement them)
-# so validating a config does not import TensorFlow.
+# Names the code dispatches on. They live here (not imported from the modules that implement them,
+# which import TensorFlow) so validating a config does not import TensorFlow; tests/test_config.py
+# checks that the copies equal the implementing modules' names.
 DATASETS = ("synthetic", "synthetic_learnable", "tfrecord", "tfds")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 BACKENDS = ("one_device", "mirrored", "mwms", "horovod")
+MODEL_NAMES = (  # the keys of tfscale.models.MODELS
+    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    "cifar_resnet8", "cifar_resnet20", "cifar_resnet32", "cifar_resnet44", "cifar_resnet56", "cifar_resnet110",
+)
+OPTIMIZERS = ("sgd", "lars")  # tfscale.optim.OPTIMIZERS
+AUGMENTS = ("imagenet", "cifar", "none")  # tfscale.data.preprocess.AUGMENTS
+BATCH_AUGMENTS = ("none", "randaugment", "mixup", "cutmix")  # tfscale.data.preprocess.BATCH_AUGMENTS
 # Said wherever horovod is needed and missing (distribute.setup, the launcher).
 HOROVOD_INSTALL_HINT = "build it against this TensorFlow with `make horovod` (tools/install_horovod.sh; README 'Horovod')"
 BENCHMARK_MODES = ("train", "synthetic", "input")
@@ -192,7 +203,7 @@ def to_steps(cfg: ml_collections.ConfigDict) -> Steps:
     steps_per_epoch = cfg.data.num_train_examples // cfg.data.global_batch_size
 
     def epochs_to_steps(epochs: float) -> int:
-        return max(1, round(epochs * steps_per_epoch))
+        return max(1, schedules.epochs_to_steps(epochs, steps_per_epoch))
 
     eval_batch = eval_global_batch_size(cfg.data)
     full_eval_steps = math.ceil(cfg.data.num_eval_examples / eval_batch)
@@ -259,15 +270,11 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
     `num_replicas=None` checks what does not depend on the cluster (before one is waited for); with
     the replica count it also checks the batch split. Resolves `data.label_offset=-1` in place.
     """
-    # Imported here: models pulls in Keras, and the other checks should not pay for it.
-    from tfscale import models, optim, schedules
-    from tfscale.data import assignment, preprocess
-
-    _require_choice("model.name", cfg.model.name, models.MODELS)
-    _require_choice("optim.name", cfg.optim.name, optim.OPTIMIZERS)
+    _require_choice("model.name", cfg.model.name, MODEL_NAMES)
+    _require_choice("optim.name", cfg.optim.name, OPTIMIZERS)
     _require_choice("data.dataset", cfg.data.dataset, DATASETS)
-    _require_choice("data.augment", cfg.data.augment, preprocess.AUGMENTS)
-    _require_choice("data.batch_augment", cfg.data.batch_augment, preprocess.BATCH_AUGMENTS)
+    _require_choice("data.augment", cfg.data.augment, AUGMENTS)
+    _require_choice("data.batch_augment", cfg.data.batch_augment, BATCH_AUGMENTS)
     _require_choice("data.assignment", cfg.data.assignment, assignment.SCHEMES)
     if cfg.data.assignment == "overlap" and cfg.data.overlap_copies < 1:
         raise ConfigError(f"config.data.overlap_copies must be >= 1, got {cfg.data.overlap_copies}")

@@ -31,12 +31,16 @@ residual block so that each block starts as the identity.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import keras
 from keras import layers, ops
+
+if TYPE_CHECKING:
+    import ml_collections
 
 # Per-channel ImageNet statistics on the 0-255 scale (the values used by torchvision and TF official).
 IMAGENET_MEAN_RGB = (123.68, 116.78, 103.94)
@@ -77,13 +81,27 @@ class ImageNormalization(layers.Layer):
         return {**super().get_config(), "mean_rgb": self.mean_rgb, "stddev_rgb": self.stddev_rgb}
 
 
-class _Options(NamedTuple):
-    """Settings shared by every layer of one model (a plain record, threaded through the builders)."""
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How a model is built, besides its name, class count and input shape: the keyword arguments
+    of `create` and of every `MODELS` builder, threaded through the layer builders.
 
-    data_format: str
-    bn_momentum: float
-    bn_epsilon: float
-    zero_init_residual: bool
+    Attributes:
+      zero_init_residual: start the last BN gamma of every residual block at 0 (Goyal et al.).
+      bn_momentum: Keras convention, ``moving = momentum * moving + (1 - momentum) * batch``
+        (0.9 here equals PyTorch's ``momentum=0.1``).
+      bn_epsilon: BatchNorm variance epsilon.
+      data_format: layout used inside the network; input is always NHWC.
+      mean_rgb, stddev_rgb: per-channel normalisation on the 0-255 scale.
+      sync_bn: BatchNorm statistics over the global batch (all replicas) instead of per replica.
+    """
+
+    zero_init_residual: bool = True
+    bn_momentum: float = 0.9
+    bn_epsilon: float = 1e-5
+    data_format: str = "channels_last"
+    mean_rgb: Sequence[float] = IMAGENET_MEAN_RGB
+    stddev_rgb: Sequence[float] = IMAGENET_STDDEV_RGB
     sync_bn: bool = False
 
     @property
@@ -100,7 +118,7 @@ def _conv_kernel_initializer() -> keras.initializers.Initializer:
     return keras.initializers.VarianceScaling(2.0, mode="fan_out", distribution="untruncated_normal")
 
 
-def _conv(x, filters: int, kernel_size: int, stride: int, name: str, opts: _Options):
+def _conv(x, filters: int, kernel_size: int, stride: int, name: str, opts: ModelOptions):
     """Bias-free conv (the following BatchNorm has its own shift).
 
     Strided convs pad explicitly and symmetrically ((k-1)//2 on each side, as torchvision and TF
@@ -123,7 +141,7 @@ def _conv(x, filters: int, kernel_size: int, stride: int, name: str, opts: _Opti
     )(x)
 
 
-def _batch_norm(x, name: str, opts: _Options, *, closes_residual_branch: bool = False):
+def _batch_norm(x, name: str, opts: ModelOptions, *, closes_residual_branch: bool = False):
     """BatchNorm; with ``zero_init_residual`` the BN closing a residual branch starts at gamma=0."""
     zero_gamma = closes_residual_branch and opts.zero_init_residual
     return layers.BatchNormalization(
@@ -138,7 +156,7 @@ def _batch_norm(x, name: str, opts: _Options, *, closes_residual_branch: bool = 
     )(x)
 
 
-def _conv_bn_relu(x, filters: int, kernel_size: int, stride: int, prefix: str, index: int, opts: _Options):
+def _conv_bn_relu(x, filters: int, kernel_size: int, stride: int, prefix: str, index: int, opts: ModelOptions):
     x = _conv(x, filters, kernel_size, stride, f"{prefix}_conv{index}", opts)
     x = _batch_norm(x, f"{prefix}_bn{index}", opts)
     return layers.ReLU(name=f"{prefix}_relu{index}")(x)
@@ -147,7 +165,7 @@ def _conv_bn_relu(x, filters: int, kernel_size: int, stride: int, prefix: str, i
 # --- residual blocks -----------------------------------------------------------------------------
 
 
-def _shortcut(x, out_filters: int, stride: int, prefix: str, opts: _Options):
+def _shortcut(x, out_filters: int, stride: int, prefix: str, opts: ModelOptions):
     """Identity when the shape is unchanged, else a 1x1 conv + BN projection (never zero-gamma)."""
     if stride == 1 and x.shape[opts.channel_axis] == out_filters:
         return x
@@ -160,7 +178,7 @@ def _merge(residual, shortcut, prefix: str):
     return layers.ReLU(name=f"{prefix}_out")(x)
 
 
-def _basic_block(x, filters: int, stride: int, prefix: str, opts: _Options):
+def _basic_block(x, filters: int, stride: int, prefix: str, opts: ModelOptions):
     """Two 3x3 convs (ResNet-18/34 and CIFAR); the stride is in the first."""
     shortcut = _shortcut(x, filters, stride, prefix, opts)
     y = _conv_bn_relu(x, filters, 3, stride, prefix, 1, opts)
@@ -169,7 +187,7 @@ def _basic_block(x, filters: int, stride: int, prefix: str, opts: _Options):
     return _merge(y, shortcut, prefix)
 
 
-def _bottleneck_block(x, filters: int, stride: int, prefix: str, opts: _Options):
+def _bottleneck_block(x, filters: int, stride: int, prefix: str, opts: ModelOptions):
     """1x1 reduce, 3x3, 1x1 expand (ResNet-50/101/152); v1.5: the stride is in the 3x3 conv."""
     out_filters = filters * _BOTTLENECK_EXPANSION
     shortcut = _shortcut(x, out_filters, stride, prefix, opts)
@@ -180,7 +198,9 @@ def _bottleneck_block(x, filters: int, stride: int, prefix: str, opts: _Options)
     return _merge(y, shortcut, prefix)
 
 
-def _stage(x, block_fn: Callable, filters: int, num_blocks: int, first_stride: int, stage_index: int, opts: _Options):
+def _stage(
+    x, block_fn: Callable, filters: int, num_blocks: int, first_stride: int, stage_index: int, opts: ModelOptions
+):
     """``num_blocks`` blocks; only the first one downsamples."""
     for block_index in range(1, num_blocks + 1):
         stride = first_stride if block_index == 1 else 1
@@ -191,7 +211,7 @@ def _stage(x, block_fn: Callable, filters: int, num_blocks: int, first_stride: i
 # --- backbones -----------------------------------------------------------------------------------
 
 
-def _imagenet_backbone(x, opts: _Options, *, block_fn: Callable, blocks_per_stage: Sequence[int]):
+def _imagenet_backbone(x, opts: ModelOptions, *, block_fn: Callable, blocks_per_stage: Sequence[int]):
     """7x7/2 conv stem + 3x3/2 max pool (4x downsampling), then four stages at strides 1, 2, 2, 2."""
     x = _conv(x, 64, 7, 2, "stem_conv", opts)
     x = _batch_norm(x, "stem_bn", opts)
@@ -205,7 +225,7 @@ def _imagenet_backbone(x, opts: _Options, *, block_fn: Callable, blocks_per_stag
     return x
 
 
-def _cifar_backbone(x, opts: _Options, *, blocks_per_stage: int):
+def _cifar_backbone(x, opts: ModelOptions, *, blocks_per_stage: int):
     """3x3 conv with 16 filters, then three stages of basic blocks (16/32/64 filters, strides 1/2/2)."""
     x = _conv(x, _CIFAR_STAGE_FILTERS[0], 3, 1, "stem_conv", opts)
     x = _batch_norm(x, "stem_bn", opts)
@@ -219,42 +239,30 @@ def _cifar_backbone(x, opts: _Options, *, blocks_per_stage: int):
 # --- model assembly ------------------------------------------------------------------------------
 
 
-def _validate(input_shape, data_format: str, mean_rgb, stddev_rgb) -> None:
-    if data_format not in _DATA_FORMATS:
-        raise ValueError(f"data_format must be one of {_DATA_FORMATS}, got {data_format!r}")
+def _validate(input_shape, opts: ModelOptions) -> None:
+    if opts.data_format not in _DATA_FORMATS:
+        raise ValueError(f"data_format must be one of {_DATA_FORMATS}, got {opts.data_format!r}")
     if len(input_shape) != 3:
         raise ValueError(f"input_shape must be (height, width, channels) (NHWC images), got {input_shape}")
     num_channels = input_shape[-1]
-    if not len(mean_rgb) == len(stddev_rgb) == num_channels:
+    if not len(opts.mean_rgb) == len(opts.stddev_rgb) == num_channels:
         raise ValueError(
-            f"mean_rgb {tuple(mean_rgb)} and stddev_rgb {tuple(stddev_rgb)} need one value per "
+            f"mean_rgb {tuple(opts.mean_rgb)} and stddev_rgb {tuple(opts.stddev_rgb)} need one value per "
             f"input channel ({num_channels})"
         )
 
 
 def _build_classifier(
-    model_name: str,
-    backbone: Callable,
-    num_classes: int,
-    input_shape: tuple[int, int, int],
-    *,
-    zero_init_residual: bool = True,
-    bn_momentum: float = 0.9,
-    bn_epsilon: float = 1e-5,
-    data_format: str = "channels_last",
-    mean_rgb=IMAGENET_MEAN_RGB,
-    stddev_rgb=IMAGENET_STDDEV_RGB,
-    sync_bn: bool = False,
+    model_name: str, backbone: Callable, num_classes: int, input_shape: tuple[int, int, int], opts: ModelOptions
 ) -> keras.Model:
     """uint8 NHWC images -> normalise (-> NCHW) -> backbone -> global average pool -> float32 logits."""
-    _validate(input_shape, data_format, mean_rgb, stddev_rgb)
-    opts = _Options(data_format, bn_momentum, bn_epsilon, zero_init_residual, sync_bn)
+    _validate(input_shape, opts)
     images = keras.Input(shape=tuple(input_shape), dtype="uint8", name="images")
-    x = ImageNormalization(mean_rgb, stddev_rgb, name="normalize")(images)
-    if data_format == "channels_first":
+    x = ImageNormalization(opts.mean_rgb, opts.stddev_rgb, name="normalize")(images)
+    if opts.data_format == "channels_first":
         x = layers.Permute((3, 1, 2), name="to_channels_first")(x)
     x = backbone(x, opts)
-    x = layers.GlobalAveragePooling2D(data_format=data_format, name="avg_pool")(x)
+    x = layers.GlobalAveragePooling2D(data_format=opts.data_format, name="avg_pool")(x)
     # float32 head: under mixed precision the softmax/cross-entropy must not be computed in 16 bits.
     logits = layers.Dense(
         num_classes,
@@ -270,7 +278,7 @@ def _builder(model_name: str, backbone: Callable, summary: str) -> Callable[...,
     """A named builder ``(num_classes, input_shape, **options) -> keras.Model`` for ``MODELS``."""
 
     def build(num_classes: int, input_shape: tuple[int, int, int], **options) -> keras.Model:
-        return _build_classifier(model_name, backbone, num_classes, input_shape, **options)
+        return _build_classifier(model_name, backbone, num_classes, input_shape, ModelOptions(**options))
 
     build.__name__ = build.__qualname__ = model_name
     build.__doc__ = f"Build {summary}.  Arguments and defaults as in `tfscale.models.create`."
@@ -299,19 +307,7 @@ MODELS: dict[str, Callable[..., keras.Model]] = {
 }
 
 
-def create(
-    name: str,
-    num_classes: int,
-    input_shape: tuple[int, int, int],
-    *,
-    zero_init_residual: bool = True,
-    bn_momentum: float = 0.9,
-    bn_epsilon: float = 1e-5,
-    data_format: str = "channels_last",
-    mean_rgb=IMAGENET_MEAN_RGB,
-    stddev_rgb=IMAGENET_STDDEV_RGB,
-    sync_bn: bool = False,
-) -> keras.Model:
+def create(name: str, num_classes: int, input_shape: tuple[int, int, int], **options) -> keras.Model:
     """Build the model ``name`` (a key of ``MODELS``), uninitialised by any checkpoint.
 
     Args:
@@ -319,32 +315,36 @@ def create(
       num_classes: width of the logits layer.
       input_shape: ``(height, width, channels)`` of the NHWC images fed to the model, whatever
         ``data_format`` is; a fixed size is needed for ``describe()``'s FLOP count.
-      zero_init_residual: start the last BN gamma of every residual block at 0 (Goyal et al.).
-      bn_momentum: Keras convention, ``moving = momentum * moving + (1 - momentum) * batch``
-        (0.9 here equals PyTorch's ``momentum=0.1``).
-      bn_epsilon: BatchNorm variance epsilon.
-      data_format: layout used inside the network; input is always NHWC.
-      mean_rgb, stddev_rgb: per-channel normalisation on the 0-255 scale.
-      sync_bn: BatchNorm statistics over the global batch (all replicas) instead of per replica.
+      **options: the fields of `ModelOptions` (zero_init_residual, bn_momentum, bn_epsilon,
+        data_format, mean_rgb, stddev_rgb, sync_bn), which documents them and their defaults.
 
     Returns:
       An uncompiled functional ``keras.Model`` mapping uint8 images to float32 logits.
 
     Raises:
       ValueError: for an unknown ``name`` (the message lists the valid names) or bad arguments.
+      TypeError: for an option that is not a field of `ModelOptions`.
     """
     if name not in MODELS:
         raise ValueError(f"Unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}")
-    return MODELS[name](
-        num_classes,
-        input_shape,
-        zero_init_residual=zero_init_residual,
-        bn_momentum=bn_momentum,
-        bn_epsilon=bn_epsilon,
-        data_format=data_format,
-        mean_rgb=mean_rgb,
-        stddev_rgb=stddev_rgb,
-        sync_bn=sync_bn,
+    return MODELS[name](num_classes, input_shape, **options)
+
+
+def create_from_config(cfg: ml_collections.ConfigDict) -> keras.Model:
+    """The model a tfscale config describes; call it inside the strategy scope.
+
+    ``cfg.model.name`` with the ``cfg.model`` options, ``cfg.data.num_classes`` logits and square RGB
+    input of ``cfg.data.image_size`` pixels, normalised with the ImageNet statistics.
+    """
+    return create(
+        cfg.model.name,
+        num_classes=cfg.data.num_classes,
+        input_shape=(cfg.data.image_size, cfg.data.image_size, 3),
+        zero_init_residual=cfg.model.zero_init_residual,
+        bn_momentum=cfg.model.bn_momentum,
+        bn_epsilon=cfg.model.bn_epsilon,
+        data_format=cfg.model.data_format,
+        sync_bn=cfg.model.sync_bn,
     )
 
 

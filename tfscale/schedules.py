@@ -6,8 +6,8 @@ Keras callback that applies it keeps no state of its own. This module imports ne
 Keras, so it is cheap to import (config validation uses `check`) and testable in plain Python.
 
 Time is measured in global steps (optimizer updates). Durations are configured in epochs and turned into
-steps with `epoch = step / steps_per_epoch` (a float) and `warmup_steps = round(warmup_epochs *
-steps_per_epoch)`. The LR of step `s` is the LR used for the update that turns step `s` into `s + 1`.
+steps with `epoch = step / steps_per_epoch` (a float) and `epochs_to_steps` (round to the nearest
+step), the one rule config.to_steps uses too. The LR of step `s` is the LR used for the update that turns step `s` into `s + 1`.
 
 A schedule is a warmup followed by a decay:
 
@@ -46,16 +46,13 @@ _BOUNDARY_SLACK = 1e-9
 
 
 # --------------------------------------------------------------------------------------------------
-# Linear scaling rule
+# Epochs -> steps: the one rounding rule (config.to_steps, the warmups, the Horovod-porting callback)
 # --------------------------------------------------------------------------------------------------
 
 
-def scaled_lr(lr_per_256: float, global_batch_size: int) -> float:
-    """Linear scaling rule (Goyal et al. 2017, sec. 2.1): lr = lr_per_256 * global_batch_size / 256.
-
-    Written in the same order as `config.optim.lr` so both give the identical float.
-    """
-    return lr_per_256 * global_batch_size / 256
+def epochs_to_steps(epochs: float, steps_per_epoch: int) -> int:
+    """The whole number of global steps nearest `epochs` epochs: round(epochs * steps_per_epoch)."""
+    return round(epochs * steps_per_epoch)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,7 +178,7 @@ def warmup_steps_of(schedule_cfg, *, steps_per_epoch: int) -> int:
     """Number of warmup steps: round(warmup_epochs * steps_per_epoch), or 0 for warmup 'none'."""
     if schedule_cfg.warmup == "none":
         return 0
-    return max(0, round(schedule_cfg.warmup_epochs * steps_per_epoch))
+    return max(0, epochs_to_steps(schedule_cfg.warmup_epochs, steps_per_epoch))
 
 
 def _warmup_fn(schedule_cfg, *, base_lr: float, steps_per_epoch: int, warmup_steps: int,
@@ -230,7 +227,7 @@ def make_schedule(schedule_cfg, *, base_lr: float, steps_per_epoch: int, total_s
                   num_replicas: int = 1) -> Callable[[int], float]:
     """Returns `lr(global_step) -> float` for `schedule_cfg` (config.schedule).
 
-    base_lr: the peak LR after warmup (usually `scaled_lr(lr_per_256, global_batch_size)`).
+    base_lr: the peak LR after warmup (usually config.optim.lr = lr_per_256 * global_batch_size / 256).
     steps_per_epoch, total_steps: from `config.to_steps` (train batches drop the remainder).
     num_replicas: workers x devices; only the 'horovod' warmup uses it (it starts at base_lr / size).
 

@@ -6,7 +6,8 @@
 Reads ImageNet-1k TFRecord shards from `data.data_dir` (required; see r50_1gpu.py for the layout).
 LARS (You et al. 2017; trust coefficient 0.001, BN and biases excluded from adaptation and decay),
 momentum 0.9, label smoothing 0.1, linear warmup from 0 over 5 epochs, then polynomial (power 2)
-decay to 1e-4 over the remaining epochs, 1000 classes at 224x224. The base LR grows with the batch
+decay to 1e-4 over the remaining epochs, 72 epochs, 1000 classes at 224x224, mixed_float16
+(loss-scaled), one worker per GPU under MultiWorkerMirroredStrategy. The base LR grows with the batch
 through the linked `optim.lr` (0.2265625 per 256 images = 29.0 at 32,768). LARS recipes are tuned
 per batch size and epoch budget (MLPerf submissions sweep base LR, warmup and epochs): treat these
 values as the starting point, and expect ~75.9% top-1 (the MLPerf target) only after such tuning.
