@@ -45,8 +45,8 @@ def test_overlap_gives_each_item_to_exactly_c_workers_balanced(n, m, c):
     sizes = [len(s) for s in shares]
     assert max(sizes) - min(sizes) <= 1, sizes
     assert sum(sizes) == c * n
-    for i in range(n):  # workers_of agrees with assign
-        assert assignment.workers_of(i, num_workers=m, scheme="overlap", copies=c) == sorted(readers[i])
+    for i in range(n):  # the documented construction: item i goes to workers (i + floor(k*M/C)) mod M
+        assert sorted(readers[i]) == sorted({(i + k * m // c) % m for k in range(c)})
 
 
 @pytest.mark.parametrize("n,m", SIZES)
@@ -65,31 +65,41 @@ def test_balance_where_consecutive_copies_would_not_be():
     assert [len(s) for s in _all(6, 4, "overlap", 2)] == [3, 3, 3, 3]
 
 
-def test_seed_does_not_change_the_partition():
-    # The pipeline passes a per-worker seed; all workers must still agree on the partition.
-    for seed in (0, 1, 12345):
-        assert assignment.assign(10, rank=1, num_workers=4, scheme="overlap", copies=3, seed=seed) == \
-            assignment.assign(10, rank=1, num_workers=4, scheme="overlap", copies=3)
+def test_partition_takes_no_seed():
+    # The pipeline shuffles with a per-worker seed; all workers must still agree on the partition, so
+    # assign cannot take one (a seed it ignored would suggest a shuffle that does not happen).
+    with pytest.raises(TypeError, match="seed"):
+        assignment.assign(10, rank=1, num_workers=4, scheme="overlap", copies=3, seed=1)
+    assert assignment.assign(10, rank=1, num_workers=4, scheme="overlap", copies=3) == \
+        assignment.assign(10, rank=1, num_workers=4, scheme="overlap", copies=3)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
 
 
 @pytest.mark.parametrize("n,m,c", list(_cases()))
-def test_examples_per_worker_epoch_matches_assignment(n, m, c):
+def test_share_sizes_are_ceil_and_floor_of_copies_times_items_over_workers(n, m, c):
+    # What one worker reads per pass (epoch accounting): ceil(C*N/M) at most, one less at least.
     for scheme in assignment.SCHEMES:
         copies = c if scheme == "overlap" else 1
         if scheme != "overlap" and c > 1:
             continue
+        width = {"disjoint": 1, "overlap": copies, "full": m}[scheme]
         sizes = [len(s) for s in _all(n, m, scheme, copies)]
-        per_worker = assignment.examples_per_worker_epoch(n, num_workers=m, scheme=scheme, copies=copies)
-        assert per_worker == max(sizes)
-        assert min(sizes) >= per_worker - 1
+        assert max(sizes) == _ceil_div(width * n, m)
+        assert min(sizes) >= _ceil_div(width * n, m) - 1
 
 
-def test_examples_per_worker_epoch_values():
-    f = assignment.examples_per_worker_epoch
-    assert f(1_281_167, num_workers=8, scheme="disjoint") == 160_146
-    assert f(1_281_167, num_workers=8, scheme="overlap", copies=2) == 320_292
-    assert f(1_281_167, num_workers=8, scheme="full") == 1_281_167
-    assert f(1_281_167, num_workers=8, scheme="full", copies=5) == 1_281_167  # copies ignored
+def test_share_sizes_on_imagenet():
+    # Worker 0 holds one of the largest shares (residue 0 carries an extra item whenever M does not divide N).
+    def share(scheme, copies=1):
+        return len(assignment.assign(1_281_167, rank=0, num_workers=8, scheme=scheme, copies=copies))
+
+    assert share("disjoint") == 160_146
+    assert share("overlap", 2) == 320_292
+    assert share("full") == 1_281_167
+    assert share("full", 5) == 1_281_167  # copies ignored
 
 
 @pytest.mark.parametrize("n,m,c", [(n, m, c) for n, m, c in _cases() if m <= 8])
@@ -137,4 +147,4 @@ def test_check_errors_name_the_values():
     with pytest.raises(ValueError, match="rank=2"):
         assignment.assign(10, rank=2, num_workers=2, scheme="disjoint")
     with pytest.raises(ValueError, match="'shared'"):
-        assignment.examples_per_worker_epoch(10, num_workers=2, scheme="shared")
+        assignment.assign(10, rank=0, num_workers=2, scheme="shared")

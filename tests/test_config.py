@@ -252,12 +252,12 @@ def test_recipe_on_one_replica_is_refused_before_anything_is_built(tmp_path):
 
 def test_dispatch_names_equal_the_implementing_modules():
     from tfscale import models, optim
-    from tfscale.data import preprocess
+    from tfscale.data import batch_augment, preprocess
 
     assert tfs_config.MODEL_NAMES == tuple(models.MODELS)
     assert tfs_config.OPTIMIZERS == optim.OPTIMIZERS
     assert tfs_config.AUGMENTS == preprocess.AUGMENTS
-    assert tfs_config.BATCH_AUGMENTS == preprocess.BATCH_AUGMENTS
+    assert tfs_config.BATCH_AUGMENTS == batch_augment.BATCH_AUGMENTS
 
 
 def test_validate_does_not_import_tensorflow():

@@ -19,7 +19,8 @@ import tensorflow as tf
 from PIL import Image
 from sklearn.datasets import load_sample_images
 
-from tfscale.data import convert
+from tfscale import io as tfio
+from tfscale.data import convert, encode, shards
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(REPO, "tools", "tfrecord_convert.py")
@@ -132,7 +133,7 @@ def converted(tree_dir, tmp_path_factory):
 
 
 def test_feature_keys_are_the_imagenet_ones():
-    assert convert.FEATURE_KEYS == (
+    assert encode.FEATURE_KEYS == (
         "image/encoded", "image/format", "image/height", "image/width", "image/channels", "image/colorspace",
         "image/class/label", "image/class/synset", "image/class/text", "image/filename")
 
@@ -151,8 +152,8 @@ def test_class_tree_shards_features_and_labels(converted, tree_dir):
         sizes.append(len(examples))
         synsets = set()
         for ex in examples:
-            assert set(ex.features.feature) == set(convert.FEATURE_KEYS)
-            for key in convert.FEATURE_KEYS:
+            assert set(ex.features.feature) == set(encode.FEATURE_KEYS)
+            for key in encode.FEATURE_KEYS:
                 kind = ex.features.feature[key].WhichOneof("kind")
                 assert kind == ("bytes_list" if key in bytes_keys else "int64_list"), key
             synset = feature_value(ex, "image/class/synset").decode()
@@ -191,8 +192,8 @@ def test_manifest_matches_files_on_disk(converted, tree_dir):
     root, _ = tree_dir
     with open(os.path.join(out, "manifest-train.json")) as f:
         assert json.load(f) == manifest
-    assert convert.read_manifest(out, "train") == manifest
-    assert convert.read_manifest(out, "validation") is None
+    assert tfio.read_manifest(out, "train") == manifest
+    assert tfio.read_manifest(out, "validation") is None
     assert manifest["split"] == "train" and manifest["num_shards"] == 4 and manifest["num_examples"] == 31
     assert manifest["num_classes"] == 3 and manifest["label_offset"] == 1
     assert manifest["classes"] == list(CLASSES) and manifest["class_labels"] == [1, 2, 3]
@@ -248,7 +249,7 @@ def test_manifest_classes_are_in_stored_label_order_for_every_input_form(photos,
     assert manifest["classes"] == expected and manifest["num_classes"] == len(expected)
     offset = manifest["label_offset"]
     assert manifest["class_labels"] == [i + offset for i in range(len(expected))]
-    assert convert.read_manifest(tmp_path / "out", "train")["classes"] == expected  # what export reads
+    assert tfio.read_manifest(tmp_path / "out", "train")["classes"] == expected  # what export reads
     seen = 0
     for shard in manifest["shards"]:
         for ex in read_examples(tmp_path / "out" / shard["name"]):
@@ -269,8 +270,8 @@ def test_legacy_manifest_is_read_and_replaced_by_a_rerun(converted, tree_dir, tm
     out = tmp_path / "out"
     shutil.copytree(original_dir, out)
     os.rename(out / "manifest-train.json", out / "train-manifest.json")
-    assert convert.read_manifest(out, "train") == original
-    assert convert.find_manifest(str(out), "train") == str(out / "train-manifest.json")
+    assert tfio.read_manifest(out, "train") == original
+    assert tfio.find_manifest(str(out), "train") == str(out / "train-manifest.json")
     before = file_ids(out)
 
     manifest = convert.convert(root, out, "train", 4, class_text_file=text_file, num_workers=1)
@@ -286,7 +287,7 @@ def test_remove_temp_files_knows_every_temporary_name(tmp_path):
               ".manifest-train.json", "notes.tmp-1"]
     for name in ours + others:
         (tmp_path / name).write_bytes(b"x")
-    assert convert.remove_temp_files(str(tmp_path), "train") == sorted(ours)
+    assert shards.remove_temp_files(str(tmp_path), "train") == sorted(ours)
     assert sorted(os.listdir(tmp_path)) == sorted(others)
 
 
@@ -310,7 +311,7 @@ def test_pixels_survive_conversion(converted, tree_dir):
                 reference = np.asarray(img.convert("RGB"), np.float32)
             if fname in REENCODED:
                 assert encoded != original, fname
-                assert convert.jpeg_sof_marker(encoded) == 0xC0, fname  # baseline
+                assert encode.jpeg_sof_marker(encoded) == 0xC0, fname  # baseline
                 if fname != "rgba.png":  # composited over white: no RGB reference
                     # Quality 95 with 4:2:0 chroma on tiny, detailed crops: a few levels of 255.
                     assert np.abs(decoded.astype(np.float32) - reference).mean() < 6.0, fname
@@ -335,7 +336,7 @@ def test_resize_shorter_shrinks_only_large_images(photos, tmp_path):
         if fname == "small.jpg":
             assert feature_value(ex, "image/encoded") == (root / "small.jpg").read_bytes()
     assert shapes == {"large.jpg": (64, 107, 3), "large.png": (107, 64, 3), "small.jpg": (40, 60, 3)}
-    assert convert.read_manifest(tmp_path / "out", "train")["resize_shorter"] == 64
+    assert tfio.read_manifest(tmp_path / "out", "train")["resize_shorter"] == 64
 
 
 # --------------------------------------------------------------------------------- flat + labels
@@ -544,7 +545,7 @@ def test_cli_smoke_and_missing_input_dir(tree_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path / "out")) == [
         "manifest-validation.json", "validation-00000-of-00002", "validation-00001-of-00002"]
-    assert convert.read_manifest(tmp_path / "out", "validation")["num_examples"] == 31
+    assert tfio.read_manifest(tmp_path / "out", "validation")["num_examples"] == 31
 
     missing = tmp_path / "no_such_dir"
     result = subprocess.run(_cli(f"--input_dir={missing}", f"--output_dir={tmp_path / 'out2'}", "--split=train",

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from tfscale.data import preprocess  # noqa: E402
+from tfscale.data import batch_augment, preprocess  # noqa: E402
 
 S = 64  # output size used by most tests (small keeps them fast)
 
@@ -363,7 +363,7 @@ def _batches(images):
 @pytest.mark.parametrize("name", ["mixup", "cutmix"])
 def test_mix_augmenters_in_dataset_map(images, name):
     ds, x, y = _batches(images)
-    fn = preprocess.batch_augmenter(name, num_classes=NUM_CLASSES, mixup_alpha=0.4, cutmix_factor=1.0,
+    fn = batch_augment.batch_augmenter(name, num_classes=NUM_CLASSES, mixup_alpha=0.4, cutmix_factor=1.0,
                                     randaugment_ops=2, randaugment_factor=0.5)
     out = ds.map(fn, num_parallel_calls=2)
     assert out.element_spec[0].shape == (8, S, S, 3) and out.element_spec[0].dtype == tf.uint8
@@ -387,7 +387,7 @@ def test_mix_augmenters_in_dataset_map(images, name):
 @pytest.mark.parametrize("impl", ["select", "keras"])
 def test_randaugment_in_dataset_map(images, impl):
     ds, x, y = _batches(images)
-    fn = preprocess.batch_augmenter("randaugment", num_classes=NUM_CLASSES, randaugment_ops=2,
+    fn = batch_augment.batch_augmenter("randaugment", num_classes=NUM_CLASSES, randaugment_ops=2,
                                     randaugment_factor=0.5, mixup_alpha=0.2, cutmix_factor=1.0,
                                     randaugment_impl=impl)
     out = ds.map(fn, num_parallel_calls=2)
@@ -401,20 +401,20 @@ def test_randaugment_in_dataset_map(images, impl):
 
 
 def test_batch_augmenter_none_and_errors():
-    assert preprocess.batch_augmenter("none", num_classes=NUM_CLASSES) is None
-    assert preprocess.batch_augmenter("", num_classes=NUM_CLASSES, mixup_alpha=0.2) is None
+    assert batch_augment.batch_augmenter("none", num_classes=NUM_CLASSES) is None
+    assert batch_augment.batch_augmenter("", num_classes=NUM_CLASSES, mixup_alpha=0.2) is None
     with pytest.raises(ValueError, match=r"'autoaugment'.*randaugment.*mixup.*cutmix"):
-        preprocess.batch_augmenter("autoaugment", num_classes=NUM_CLASSES)
+        batch_augment.batch_augmenter("autoaugment", num_classes=NUM_CLASSES)
     with pytest.raises(ValueError, match="mixup_alfa"):
-        preprocess.batch_augmenter("mixup", num_classes=NUM_CLASSES, mixup_alfa=0.2)
+        batch_augment.batch_augmenter("mixup", num_classes=NUM_CLASSES, mixup_alfa=0.2)
     with pytest.raises(ValueError, match="'fast'"):
-        preprocess.batch_augmenter("randaugment", num_classes=NUM_CLASSES, randaugment_impl="fast")
+        batch_augment.batch_augmenter("randaugment", num_classes=NUM_CLASSES, randaugment_impl="fast")
 
 
 def test_randaugment_select_draws_vary_between_batches(images):
     # Same input batch every time: outputs differ only through the drawn operations and magnitudes.
     _, x, y = _batches(images)
-    fn = preprocess.batch_augmenter("randaugment", num_classes=NUM_CLASSES, randaugment_ops=1)
+    fn = batch_augment.batch_augmenter("randaugment", num_classes=NUM_CLASSES, randaugment_ops=1)
     ds = tf.data.Dataset.from_tensors((x, y)).repeat(6).map(fn)
     outs = {a.numpy().tobytes() for a, _ in ds}
     assert len(outs) >= 4
@@ -428,7 +428,7 @@ def test_batch_augmenters_ignore_global_mixed_precision_policy(images):
     keras.config.set_dtype_policy("mixed_bfloat16")
     try:
         for name in ("mixup", "cutmix", "randaugment"):
-            fn = preprocess.batch_augmenter(name, num_classes=NUM_CLASSES)
+            fn = batch_augment.batch_augmenter(name, num_classes=NUM_CLASSES)
             a, b = next(iter(tf.data.Dataset.from_tensors((x, y)).map(fn)))
             assert a.dtype == tf.uint8
             if name != "randaugment":
@@ -436,3 +436,45 @@ def test_batch_augmenters_ignore_global_mixed_precision_policy(images):
                 np.testing.assert_allclose(b.numpy().sum(axis=1), 1.0, atol=1e-5)
     finally:
         keras.config.set_dtype_policy(old)
+
+
+def _randaugment_layer():
+    import keras
+
+    return keras.layers.RandAugment(value_range=(0, 255), num_ops=2, factor=0.5, dtype="float32")
+
+
+def test_randaugment_fast_path_is_taken_on_the_installed_keras(monkeypatch):
+    import keras
+
+    warnings = []
+    monkeypatch.setattr(batch_augment.logging, "warning", lambda *args: warnings.append(args))
+    batch_augment._warn_slow_randaugment.cache_clear()
+    assert batch_augment._randaugment_unsupported(_randaugment_layer(), keras.__version__) is None, keras.__version__
+    assert batch_augment._randaugment_select(_randaugment_layer()) is not None
+    assert warnings == []
+
+
+@pytest.mark.parametrize("version", ["3.9.2", "3.16.0", "4.0.0.dev0", "unknown"])
+def test_randaugment_outside_the_verified_keras_versions_warns_once_and_falls_back(monkeypatch, version):
+    import keras
+
+    warnings = []
+    monkeypatch.setattr(keras, "__version__", version)
+    monkeypatch.setattr(batch_augment.logging, "warning", lambda message, *args: warnings.append(message % args))
+    batch_augment._warn_slow_randaugment.cache_clear()
+    for _ in range(3):
+        assert batch_augment._randaugment_select(_randaugment_layer()) is None
+    assert len(warnings) == 1
+    assert f"Keras {version}" in warnings[0] and "15x slower" in warnings[0] and "3.10-3.15" in warnings[0]
+    batch_augment._warn_slow_randaugment.cache_clear()  # later tests start with no warning given
+
+
+def test_randaugment_without_its_operation_layers_falls_back(monkeypatch):
+    import keras
+
+    layer = _randaugment_layer()
+    monkeypatch.setattr(type(layer), "_AUGMENT_LAYERS", ["random_shear", "no_such_operation"])
+    reason = batch_augment._randaugment_unsupported(layer, keras.__version__)
+    assert reason and "_AUGMENT_LAYERS" in reason
+

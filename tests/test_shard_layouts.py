@@ -19,8 +19,9 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, classic_example, run_cli
 
+from tfscale import io as tfio
 from tfscale.config import base_config
-from tfscale.data import convert, pipeline, stage
+from tfscale.data import convert, pipeline, shards, stage
 
 SPLITS = ("train", "validation")
 GLOBS = {split: (f"{split}*", f"{split}-*", f"{split}-*-of-*") for split in SPLITS}
@@ -107,11 +108,12 @@ def test_nothing_else_tfscale_writes_matches_a_split_glob():
     """Every other name tfscale gives a file in a shard or staging directory, checked by name."""
     others = []
     for split in SPLITS:
-        final = [os.path.basename(convert.manifest_path("", split)), convert._STATE_FORMAT.format(split=split),
-                 convert.shard_name(split, 3, 4)]
+        final = [os.path.basename(tfio.manifest_path("", split)), os.path.basename(shards.state_path("", split)),
+                 shards.shard_name(split, 3, 4)]
         others += final[:2] + [f".{name.lstrip('.')}.tmp-4242" for name in final]  # the converter's temporaries
         others += [f"{stage.PARTIAL_PREFIX}{name}.4242" for name in final]  # staging's temporaries
     others += [stage.STATE_FILE, stage.LOCK_FILE, stage.SHARD_LIST_FILE]
+    others += [os.path.basename(tfio.temp_path(name)) for name in (stage.STATE_FILE, stage.SHARD_LIST_FILE)]
     for split in SPLITS:
         for pattern in GLOBS[split]:
             assert [n for n in others if fnmatch.fnmatchcase(n, pattern)] == [], pattern
@@ -121,7 +123,7 @@ def test_an_interrupted_conversion_leaves_nothing_a_glob_reads(converted, tmp_pa
     out, manifests = converted
     photos = make_photo_tree(tmp_path / "photos", 4, seed=3)
     target = str(tmp_path / "shards")
-    real_write_shard = convert.write_shard
+    real_write_shard = shards.write_shard
     written = []
 
     def write_two_then_die(path, *args):
@@ -130,7 +132,7 @@ def test_an_interrupted_conversion_leaves_nothing_a_glob_reads(converted, tmp_pa
         written.append(real_write_shard(path, *args))
         return written[-1]
 
-    monkeypatch.setattr(convert, "write_shard", write_two_then_die)
+    monkeypatch.setattr(shards, "write_shard", write_two_then_die)
     with pytest.raises(KeyboardInterrupt):
         convert.convert(photos, target, "train", 4, resize_shorter=64, num_workers=1)
     assert [n for n in os.listdir(target) if n.startswith(".")] == [".train-convert-state.json"]
@@ -194,7 +196,7 @@ def classic(tmp_path_factory):
     os.makedirs(out)
     num_train = write_classic_split(make_photo_tree(root / "train_photos", 8, seed=4), out, "train", 4)
     num_eval = write_classic_split(make_photo_tree(root / "val_photos", 5, seed=5), out, "validation", 2)
-    assert convert.read_manifest(out, "train") is None and convert.read_manifest(out, "validation") is None
+    assert tfio.read_manifest(out, "train") is None and tfio.read_manifest(out, "validation") is None
     return out, num_train, num_eval
 
 

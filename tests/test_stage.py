@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from tfscale.data import assignment, stage
+from tfscale import io as tfio
+from tfscale.data import assignment, stage, stage_copy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARD_BYTES = 256 << 10
@@ -96,7 +97,7 @@ def test_second_run_copies_nothing_and_trusts_the_state_file(src, tmp_path, monk
     def no_hashing(path):
         raise AssertionError(f"{path} was re-hashed although its size and mtime match the state file")
 
-    monkeypatch.setattr(stage, "_file_sha256", no_hashing)
+    monkeypatch.setattr(tfio, "file_sha256", no_hashing)
     report = stage.stage(src_dir, dest)
     assert (report.files_copied, report.files_skipped, report.bytes_copied) == (0, 6, 0)
     assert not report.copied_by_this_process
@@ -152,7 +153,7 @@ def test_source_not_matching_manifest_is_an_error_and_not_staged(src, tmp_path, 
 def test_too_little_space_fails_before_copying(src, tmp_path, monkeypatch):
     src_dir, contents = src
     dest = str(tmp_path / "local")
-    monkeypatch.setattr(stage, "_free_bytes", lambda path: 123_456)
+    monkeypatch.setattr(stage_copy, "_free_bytes", lambda path: 123_456)
     with pytest.raises(stage.StageError) as e:
         stage.stage(src_dir, dest)
     needed = sum(len(c) for c in contents.values()) + sum(
@@ -211,9 +212,21 @@ def test_without_manifest_stages_by_name_and_checks_size(tmp_path):
 def test_verify_size_does_not_hash(src, tmp_path, monkeypatch):
     src_dir, contents = src
     dest = str(tmp_path / "local")
-    monkeypatch.setattr(stage.hashlib, "sha256", None)  # any hashing would fail
+    monkeypatch.setattr(hashlib, "sha256", None)  # any hashing would fail
     report = stage.stage(src_dir, dest, verify="size")
     assert report.files_copied == 6 and all(read(os.path.join(dest, n)) == c for n, c in contents.items())
+
+
+def test_temporaries_of_killed_json_and_manifest_writes_are_removed(src, tmp_path):
+    src_dir, _ = src
+    dest = str(tmp_path / "local")
+    stage.stage(src_dir, dest)
+    leftovers = [f"{stage.STATE_FILE}.tmp-999", f"{stage.SHARD_LIST_FILE}.tmp-999", ".manifest-train.json.tmp-999"]
+    for name in leftovers:
+        with open(os.path.join(dest, name), "w") as f:
+            f.write("half")
+    stage.stage(src_dir, dest)
+    assert not set(leftovers) & set(os.listdir(dest))
 
 
 def test_lock_timeout_is_an_error_not_a_hang(src, tmp_path):
@@ -368,7 +381,7 @@ def _stage_in_child(src_dir, dest, barrier, results):
 
 def _stage_and_die_midway(src_dir, dest, die_on_file):
     """A copier killed -9 in the middle of its `die_on_file`-th file, partial copy on disk."""
-    real_copy_stream = stage._copy_stream
+    real_copy_stream = stage_copy._copy_stream
     calls = []
 
     def dying_copy_stream(src, partial, digest, *progress):
@@ -379,7 +392,7 @@ def _stage_and_die_midway(src_dir, dest, die_on_file):
             os.kill(os.getpid(), signal.SIGKILL)
         return real_copy_stream(src, partial, digest, *progress)
 
-    stage._copy_stream = dying_copy_stream
+    stage_copy._copy_stream = dying_copy_stream
     stage.stage(src_dir, dest, num_threads=1)
 
 

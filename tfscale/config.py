@@ -63,7 +63,7 @@ MODEL_NAMES = (  # the keys of tfscale.models.MODELS
 )
 OPTIMIZERS = ("sgd", "lars")  # tfscale.optim.OPTIMIZERS
 AUGMENTS = ("imagenet", "cifar", "none")  # tfscale.data.preprocess.AUGMENTS
-BATCH_AUGMENTS = ("none", "randaugment", "mixup", "cutmix")  # tfscale.data.preprocess.BATCH_AUGMENTS
+BATCH_AUGMENTS = ("none", "randaugment", "mixup", "cutmix")  # tfscale.data.batch_augment.BATCH_AUGMENTS
 # Said wherever horovod is needed and missing (distribute.setup, the launcher).
 HOROVOD_INSTALL_HINT = "build it against this TensorFlow with `make horovod` (tools/install_horovod.sh; README 'Horovod')"
 BENCHMARK_MODES = ("train", "synthetic", "input")
@@ -429,8 +429,9 @@ def resolve_config_arg(arg: str) -> str:
 def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_help: str) -> None:
     """Runs a `--config=FILE[:ARG] --workdir=DIR [--config.x.y=v ...]` command: `main(config, workdir)`.
 
-    The flags are defined here, when a CLI starts, not at import: modules that import each other
-    (the benchmark builds with train's functions) would otherwise define `--config` twice.
+    The flags are defined here, when a CLI starts, not at import: train, benchmark and the test
+    helpers all take `--config`/`--workdir`, and a process that imports several of them (pytest, a
+    study driver) would otherwise define the flags twice.
     """
     # The config flag reads sys.argv itself (to find the --config.* overrides), so resolve it there.
     sys.argv = [resolve_config_arg(arg) for arg in sys.argv]

@@ -21,7 +21,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from tfscale.data import convert  # noqa: E402
+from tfscale import io as tfio  # noqa: E402
+from tfscale.data import convert, parallel  # noqa: E402
 
 _INPUT_DIR = flags.DEFINE_string("input_dir", None, "Class-folder image tree to convert.", required=True)
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 16, "Shards per conversion.")
@@ -40,7 +41,7 @@ def images_per_sec(num_workers: int) -> float:
 
 
 def main(argv):
-    all_cores = convert.default_num_workers()
+    all_cores = parallel.default_num_workers()
     rates = {1: [], all_cores: []}
     for _ in range(_ROUNDS.value):
         for workers in rates:
@@ -53,8 +54,7 @@ def main(argv):
               "all_cores": all_cores, "speedup": round(many / one, 3),
               "rounds": {str(k): [round(r, 1) for r in v] for k, v in rates.items()}}
     if _OUTPUT.value:
-        with open(_OUTPUT.value, "w") as f:
-            json.dump(result, f, indent=2)
+        tfio.write_json(_OUTPUT.value, result)
     print(json.dumps(result))
 
 

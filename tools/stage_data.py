@@ -12,7 +12,8 @@ directory on stdout, so a job script can do DATA_DIR=$(python tools/stage_data.p
 With --num_workers and --worker_ranks (this node's training workers) only the train shards those
 workers read are staged (every eval shard always); --config takes the splits and the assignment
 scheme from the training config and its overrides, as the Slurm templates do. Default: every shard.
-The logic and full documentation are in tfscale/data/stage.py (`--help` lists the flags).
+The logic and full documentation are in tfscale/data/stage.py and the modules its docstring names
+(`--help` lists the flags).
 """
 
 import os

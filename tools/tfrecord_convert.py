@@ -6,7 +6,7 @@ r"""Image folders -> TFRecord shards in the standard ImageNet layout, plus a man
         [--labels_file=F] [--resize_shorter=N] [--strict] [--num_workers=N] [--seed=0]
 
 Same as the `tfscale-convert` console script; the logic and full documentation are in
-tfscale/data/convert.py (`--help` lists the flags).
+tfscale/data/convert.py and the modules its docstring names (`--help` lists the flags).
 """
 
 import os

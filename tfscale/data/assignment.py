@@ -20,10 +20,9 @@ M=4, C=2: consecutive gives 4,3,2,3 items; spread gives 3,3,3,3). When C divides
 construction gives workers r, r + M/C, r + 2M/C, ... identical item sets (M/C groups, each holding
 every item once); otherwise the sets overlap in a chain.
 
-The assignment does not depend on any seed: every worker must compute the same partition, and the
-input pipeline calls `assign` with a per-worker seed. Item order is randomised by the per-worker
-shuffle downstream, and shard files are already in random order, so no seeded permutation is
-applied here (`seed` is accepted for API stability and ignored).
+The assignment takes no seed: every worker must compute the same partition, so it may depend only
+on the sizes and the scheme. Item order is randomised by the per-worker shuffle downstream (the
+pipeline's job, with a per-worker seed), and shard files are already in random order.
 
 `worker_keeps` is the per-index membership test of the same construction written with only
 +, -, *, % and comparisons, so the pipeline can apply it to a TF int64 example index inside
@@ -58,13 +57,6 @@ def _width(scheme: str, copies: int, num_workers: int) -> int:
     return {"disjoint": 1, "overlap": copies, "full": num_workers}[scheme]
 
 
-def workers_of(item: int, *, num_workers: int, scheme: str, copies: int = 1) -> list[int]:
-    """The sorted workers that read `item`."""
-    check(scheme, copies, num_workers)
-    width = _width(scheme, copies, num_workers)
-    return sorted((item + k * num_workers // width) % num_workers for k in range(width))
-
-
 def worker_keeps(index, *, rank: int, num_workers: int, scheme: str, copies: int = 1):
     """True where worker `rank` reads item `index`; `index` may be an int or an integer tensor.
 
@@ -78,13 +70,8 @@ def worker_keeps(index, *, rank: int, num_workers: int, scheme: str, copies: int
     return ((index - rank) * width) % num_workers < width
 
 
-def assign(num_items: int, *, rank: int, num_workers: int, scheme: str, copies: int = 1,
-           seed: int = 0) -> list[int]:
-    """The sorted item indices worker `rank` reads (see the module docstring for the schemes).
-
-    `seed` is ignored on purpose: the partition must be identical on all workers.
-    """
-    del seed
+def assign(num_items: int, *, rank: int, num_workers: int, scheme: str, copies: int = 1) -> list[int]:
+    """The sorted item indices worker `rank` reads (see the module docstring for the schemes)."""
     check(scheme, copies, num_workers)
     if isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 0:
         raise ValueError(f"num_items must be an int >= 0, got {num_items!r}")
@@ -96,20 +83,6 @@ def assign(num_items: int, *, rank: int, num_workers: int, scheme: str, copies: 
     # Worker r holds the residue classes (r - floor(k*M/C)) mod M, k = 0..C-1.
     residues = {(rank - k * num_workers // width) % num_workers for k in range(width)}
     return sorted(i for r in residues for i in range(r, num_items, num_workers))
-
-
-def examples_per_worker_epoch(num_examples: int, *, num_workers: int, scheme: str, copies: int = 1) -> int:
-    """Examples one worker reads in one pass over its share, for epoch accounting.
-
-    disjoint: ceil(N/M); overlap: ceil(C*N/M); full: N. With example-level sharding this is exactly
-    the size of the largest worker's share (the others have at most one example fewer); with
-    file-level sharding it is the expected share when files hold similar numbers of examples.
-    """
-    check(scheme, copies, num_workers)
-    if num_examples < 0:
-        raise ValueError(f"num_examples must be >= 0, got {num_examples}")
-    width = _width(scheme, copies, num_workers)
-    return -(-width * num_examples // num_workers)  # integer ceil
 
 
 def shard_level(num_files: int, num_workers: int) -> str:

@@ -23,8 +23,8 @@ from typing import Callable
 import ml_collections
 import tensorflow as tf
 
-from tfscale.data import assignment, preprocess, stage, synthetic
-from tfscale.data import convert as convert_lib
+from tfscale import io as tfio
+from tfscale.data import assignment, batch_augment, preprocess, stage, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 _READ_BUFFER_BYTES = 8 << 20  # per open shard; large sequential reads suit parallel file systems
@@ -75,8 +75,8 @@ def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, s
     allow_missing: shards that are not there are not an error (a partial staged copy); those
     that are must still have the manifest's size.
     """
-    where = convert_lib.find_manifest(data_dir, split)
-    manifest = convert_lib.read_manifest(data_dir, split)
+    where = tfio.find_manifest(data_dir, split)
+    manifest = tfio.read_manifest_file(where) if where else None
     if manifest is None:
         return  # shards from other tools: the per-example label check still guards the labels
     for key, ours, theirs in (
@@ -239,7 +239,7 @@ def _finish(ds: tf.data.Dataset, data_cfg, deterministic: bool | None = None) ->
 
 
 def _batch_augment(ds: tf.data.Dataset, data_cfg) -> tf.data.Dataset:
-    augmenter = preprocess.batch_augmenter(
+    augmenter = batch_augment.batch_augmenter(
         data_cfg.batch_augment, num_classes=data_cfg.num_classes, randaugment_ops=data_cfg.randaugment_ops,
         randaugment_factor=data_cfg.randaugment_factor, mixup_alpha=data_cfg.mixup_alpha,
         cutmix_factor=data_cfg.cutmix_factor,

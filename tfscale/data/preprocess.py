@@ -36,8 +36,10 @@ from typing import Callable
 
 import tensorflow as tf
 
+# Batch augmentation (Keras layers on whole batches) is its own module; the pipeline and the config
+# checks find it here, next to the per-example augmentations.
+
 AUGMENTS = ("imagenet", "cifar", "none")
-BATCH_AUGMENTS = ("none", "randaugment", "mixup", "cutmix")
 
 # libjpeg IDCT used for every JPEG decode here (see the module docstring for the measurement).
 DCT_METHOD = "INTEGER_FAST"
@@ -257,126 +259,3 @@ def eval_preprocess(encoded, *, image_size: int, augment: str, crop_fraction: fl
     if augment == "imagenet":
         return center_crop(encoded, image_size=image_size, crop_fraction=crop_fraction)
     return _resize_if_needed(decode_full(encoded), image_size)
-
-
-# --------------------------------------------------------------------------------------------
-# Batch augmentation (Keras core preprocessing layers, run inside tf.data on batches)
-
-_BATCH_OPTIONS = {
-    "randaugment_ops": 2, "randaugment_factor": 0.5, "randaugment_impl": "select", "mixup_alpha": 0.2,
-    "cutmix_factor": 1.0, "seed": None,
-}
-_RANDAUGMENT_IMPLS = ("select", "keras")
-
-
-def _to_uint8(images):
-    """Float images in ~[0, 255] -> uint8, rounded (the model takes uint8)."""
-    return tf.cast(tf.clip_by_value(images, 0.0, 255.0) + 0.5, tf.uint8)
-
-
-def _randaugment_select(layer):
-    """keras.layers.RandAugment's own operations, but only the drawn ones are computed.
-
-    The layer's call() evaluates all 11 operations for every one of its `num_ops` slots and keeps
-    the drawn one with `where`: ~45 ms of CPU per 224x224 image here, i.e. ~40 img/s on this 2-core
-    machine. Drawing the operation index the same way (uniform, once per slot and batch) and running
-    only that branch with `tf.switch_case` gives the same distribution of outputs for ~1/10 of the
-    cost (~3 ms/img). Returns None if this Keras version does not expose the operation sub-layers.
-    """
-    import keras
-
-    names = getattr(layer, "_AUGMENT_LAYERS", None)
-    if not names or not all(hasattr(layer, name) for name in names):
-        return None
-    operations = [getattr(layer, name) for name in names]
-
-    def branch(operation, images):
-        def run():
-            transformation = operation.get_random_transformation(images, training=True, seed=layer.generator)
-            return tf.cast(operation.transform_images(images, transformation, training=True), tf.float32)
-
-        return run
-
-    def apply(images):
-        images = tf.cast(images, tf.float32)
-        for _ in range(layer.num_ops):
-            index = keras.random.randint((), 0, len(operations), seed=layer.generator)
-            out = tf.switch_case(tf.cast(index, tf.int32), [branch(op, images) for op in operations])
-            out.set_shape(images.shape)
-            images = out
-        return images
-
-    return apply
-
-
-def batch_augmenter(name: str, *, num_classes: int, **options):
-    """A function (images, labels) -> (images, labels) for `ds.batch(...).map(fn)`, or None.
-
-    name: "randaugment" | "mixup" | "cutmix" | "none" / "" (-> None).
-    options (all optional; the ones another augmenter uses are ignored, unknown ones rejected):
-      randaugment_ops (2), randaugment_factor (0.5), mixup_alpha (0.2), cutmix_factor (1.0),
-      randaugment_impl ("select": compute only the drawn operations, see `_randaugment_select`;
-      "keras": the layer's own call, ~15x slower), seed (None: int seed of the layers' SeedGenerator).
-
-    Input: uint8 images [B, H, W, 3] and int class ids [B].
-      randaugment   -> (uint8 images, labels unchanged)
-      mixup, cutmix -> (uint8 images, float32 soft labels [B, num_classes], rows summing to 1)
-    The layers compute in float32 (dtype pinned, whatever the global mixed-precision policy);
-    images are rounded back to uint8 (mixing error <= 0.5 level) since the model takes uint8.
-    Soft labels (float [B, num_classes]) are accepted as input too.
-
-    Keras 3 semantics to know: RandAugment draws its `num_ops` operations once per *batch* (all
-    images of a batch get the same operations, with per-image magnitudes); MixUp/CutMix pair each
-    image with a random permutation of the same batch (one mixing weight per image; CutMix derives
-    the label weight from the pasted box's area). The layers are built on the host CPU so their
-    seed-state variable lives next to tf.data.
-    """
-    if not name or name == "none":
-        return None
-    if name not in BATCH_AUGMENTS:
-        raise ValueError(f"batch augment {name!r} is not one of {BATCH_AUGMENTS}")
-    unknown = sorted(set(options) - set(_BATCH_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown batch_augmenter options {unknown}; valid: {sorted(_BATCH_OPTIONS)}")
-    opts = {**_BATCH_OPTIONS, **options}
-    if opts["randaugment_impl"] not in _RANDAUGMENT_IMPLS:
-        raise ValueError(f"randaugment_impl={opts['randaugment_impl']!r} is not one of {_RANDAUGMENT_IMPLS}")
-    import keras  # deferred: parsing and per-example preprocessing do not need Keras
-
-    with tf.device("/CPU:0"):
-        if name == "randaugment":
-            layer = keras.layers.RandAugment(
-                value_range=(0, 255), num_ops=int(opts["randaugment_ops"]),
-                factor=float(opts["randaugment_factor"]), seed=opts["seed"], dtype="float32",
-            )
-            layer.build((None, None, None, 3))
-        elif name == "mixup":
-            layer = keras.layers.MixUp(alpha=float(opts["mixup_alpha"]), seed=opts["seed"], dtype="float32")
-        else:
-            layer = keras.layers.CutMix(factor=float(opts["cutmix_factor"]), seed=opts["seed"], dtype="float32")
-
-    if name == "randaugment":
-        select = _randaugment_select(layer) if opts["randaugment_impl"] == "select" else None
-        apply = select or (lambda images: layer(images, training=True))
-
-        def randaugment(images, labels):
-            out = _to_uint8(apply(images))
-            out.set_shape(images.shape)
-            return out, labels
-
-        return randaugment
-
-    def mix(images, labels):
-        if labels.dtype.is_floating:
-            soft = tf.cast(labels, tf.float32)
-        else:
-            soft = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=tf.float32)
-        out = layer({"images": images, "labels": soft}, training=True)
-        mixed = _to_uint8(out["images"])
-        mixed.set_shape(images.shape)
-        soft_out = tf.cast(out["labels"], tf.float32)
-        soft_out.set_shape(soft.shape)
-        return mixed, soft_out
-
-    mix.__name__ = name
-    return mix

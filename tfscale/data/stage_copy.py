@@ -1,0 +1,268 @@
+"""Checking and copying staged shards: verified while copied, renamed into place only when they match.
+
+Each shard is written to `.tfscale-partial-{name}.{pid}` in dest_dir, checked (size against the
+manifest's `bytes`; with verify="sha256" also the sha256 computed while copying, so the source is read
+once) and only then renamed into place. A *source* that does not match its manifest is an error (the
+shared copy is bad). A staged file whose size and mtime match its state record is trusted without
+reading it again. Copies run on a few threads (hashlib and file I/O release the GIL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from concurrent import futures
+
+from absl import logging
+from tqdm import tqdm
+
+from tfscale import io as tfio
+from tfscale.data.stage_plan import Shard
+from tfscale.data.stage_state import PARTIAL_PREFIX, StageError
+
+VERIFY_MODES = ("sha256", "size")
+BYTES_PER_MB = 1e6
+_COPY_CHUNK_BYTES = 8 << 20  # large sequential reads suit parallel file systems
+# Kept free beyond the data: a file system that fills to the last block slows down and breaks other users.
+_FREE_MARGIN_BYTES = 64 << 20
+
+
+def _record(path: str, sha256: str | None) -> dict:
+    st = os.stat(path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+
+
+def _expected_size(src_dir: str, shard: Shard) -> int:
+    """The manifest's size; without a manifest the source's (stat on the shared file system)."""
+    if shard.size_bytes is not None:
+        return shard.size_bytes
+    src = os.path.join(src_dir, shard.name)
+    try:
+        return os.path.getsize(src)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{src} does not exist") from None
+
+
+def check_staged(src_dir: str, dest_dir: str, shard: Shard, record: dict | None, verify: str) -> dict | None:
+    """The state record of a valid staged copy of `shard`, or None when it must be (re)copied."""
+    path = os.path.join(dest_dir, shard.name)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    if st.st_size != _expected_size(src_dir, shard):
+        return None
+    want_sha256 = shard.sha256 if verify == "sha256" else None
+    record = record or {}
+    if (record.get("size") == st.st_size and record.get("mtime_ns") == st.st_mtime_ns
+            and (want_sha256 is None or record.get("sha256") == want_sha256)):
+        return record  # unchanged since it was verified: trusted without reading 140 GB again
+    if verify == "size":
+        return _record(path, None)  # the file changed since any recorded hash: that hash says nothing now
+    # Changed or unknown: read it. Without a manifest, the hash recorded when it was copied is the reference.
+    reference = shard.sha256 or record.get("sha256")
+    sha256 = tfio.file_sha256(path)
+    if reference is not None and sha256 != reference:
+        logging.warning("staged %s does not match its sha256 (corrupt?): copying it again", path)
+        return None
+    return _record(path, sha256)
+
+
+def _copy_stream(src: str, partial: str, digest, on_bytes=None) -> int:
+    """Copies src to partial (new file), feeding `digest` and on_bytes(n) on the way; bytes copied."""
+    copied_bytes = 0
+    buffer = bytearray(_COPY_CHUNK_BYTES)
+    view = memoryview(buffer)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with open(src, "rb", buffering=0) as fin, open(fd, "wb", buffering=0) as fout:
+        if hasattr(os, "posix_fadvise"):  # Linux: more read-ahead for one long sequential read
+            os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while n := fin.readinto(buffer):
+            chunk = view[:n]
+            if digest is not None:
+                digest.update(chunk)  # hashlib releases the GIL here, so copier threads hash in parallel
+            fout.write(chunk)
+            copied_bytes += n
+            if on_bytes is not None:
+                on_bytes(n)
+    return copied_bytes
+
+
+def _check_copy(src: str, shard: Shard, copied_bytes: int, expected_bytes: int, sha256: str | None) -> None:
+    """Raises when what was read from `src` is not what its manifest (or its size before copying) says."""
+    if shard.manifest is None:
+        if copied_bytes != expected_bytes:
+            raise StageError(f"{src} changed while it was copied ({expected_bytes} -> {copied_bytes} bytes); "
+                             "not staged")
+        return
+    if copied_bytes != expected_bytes:
+        raise StageError(f"source shard {src} has {copied_bytes} bytes but {shard.manifest} says {expected_bytes}: "
+                         "the shared copy is truncated or corrupt; not staged")
+    if sha256 is not None and shard.sha256 is not None and sha256 != shard.sha256:
+        raise StageError(f"source shard {src} does not match {shard.manifest}: sha256 {sha256} != {shard.sha256}; "
+                         "the shared copy is corrupt (re-copy or re-convert it); not staged")
+
+
+def copy_verified(src_dir: str, dest_dir: str, shard: Shard, expected_bytes: int, verify: str,
+                  on_bytes=None) -> dict:
+    """Copies one shard via a temp name, renamed into place only after verification; its state record.
+
+    on_bytes(n) is called as each chunk of n bytes is copied (progress).
+    """
+    src = os.path.join(src_dir, shard.name)
+    final = os.path.join(dest_dir, shard.name)
+    partial = os.path.join(dest_dir, f"{PARTIAL_PREFIX}{shard.name}.{os.getpid()}")
+    digest = hashlib.sha256() if verify == "sha256" else None
+    try:
+        copied_bytes = _copy_stream(src, partial, digest, on_bytes)
+        sha256 = digest.hexdigest() if digest is not None else None
+        _check_copy(src, shard, copied_bytes, expected_bytes, sha256)
+        os.replace(partial, final)
+    except BaseException:
+        tfio.remove_quietly(partial)  # no half-copied or unverified file stays behind
+        raise
+    return _record(final, sha256)
+
+
+def source_sizes(src_dir: str, shards: list[Shard]) -> dict[str, int]:
+    """{name: bytes} of the sources to copy; checks they exist and match their manifest's size first."""
+    sizes = {}
+    for shard in shards:
+        src = os.path.join(src_dir, shard.name)
+        try:
+            size = os.path.getsize(src)
+        except FileNotFoundError:
+            listed = f" listed in {shard.manifest}" if shard.manifest else ""
+            raise FileNotFoundError(f"shard {src}{listed} does not exist") from None
+        if shard.size_bytes is not None and size != shard.size_bytes:
+            raise StageError(f"source shard {src} has {size} bytes but {shard.manifest} says {shard.size_bytes}: "
+                             "the shared copy is truncated or corrupt; not staged")
+        sizes[shard.name] = size
+    return sizes
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes available to this user at `path` (a function, so tests can pretend a disk is full)."""
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(dest_dir: str, needed_bytes: int) -> None:
+    """Raises before anything is copied when dest_dir cannot take `needed_bytes` (+ a margin).
+
+    Conservative: staged files about to be replaced (corrupt, outdated) still count as used space.
+    """
+    free_bytes = _free_bytes(dest_dir)
+    if needed_bytes + _FREE_MARGIN_BYTES > free_bytes:
+        raise StageError(f"not enough space in {dest_dir}: staging needs {needed_bytes} bytes "
+                         f"({needed_bytes / 1e9:.2f} GB) + {_FREE_MARGIN_BYTES} bytes margin, but only {free_bytes} "
+                         f"bytes ({free_bytes / 1e9:.2f} GB) are available")
+
+
+class Progress:
+    """Bytes and files copied so far and the rate: a tqdm bar on a terminal, else a log line every `every_s` s.
+
+    Updated from the copier threads; the lock keeps the counts whole.
+    """
+
+    def __init__(self, total_bytes: int, total_files: int, every_s: float):
+        self._total_bytes, self._total_files, self._every_s = total_bytes, total_files, every_s
+        self._bytes = self._files = 0
+        self._start_s = self._logged_s = time.monotonic()
+        self._lock = threading.Lock()
+        self._bar = None
+        if total_files and sys.stderr.isatty():
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"stage {total_files} files",
+                             file=sys.stderr, dynamic_ncols=True)
+
+    def add_bytes(self, n: int) -> None:
+        with self._lock:
+            self._bytes += n
+            if self._bar is not None:
+                self._bar.update(n)
+            else:
+                self._maybe_log()
+
+    def file_done(self) -> None:
+        with self._lock:
+            self._files += 1
+            if self._bar is not None:
+                self._bar.set_postfix_str(f"{self._files}/{self._total_files} files")
+            else:
+                self._maybe_log()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def _maybe_log(self) -> None:
+        now_s = time.monotonic()
+        if now_s - self._logged_s < self._every_s:
+            return
+        self._logged_s = now_s
+        rate = self._bytes / max(now_s - self._start_s, 1e-9)  # bytes/s
+        left_s = (self._total_bytes - self._bytes) / rate if rate > 0 else float("inf")
+        logging.info("staging progress: %d/%d files, %.1f/%.1f MB, %.1f MB/s, ~%.0f s left", self._files,
+                     self._total_files, self._bytes / BYTES_PER_MB, self._total_bytes / BYTES_PER_MB,
+                     rate / BYTES_PER_MB, left_s)
+
+
+def run_parallel(fn, items: list, num_threads: int, on_result) -> None:
+    """fn(item) on a thread pool, on_result(item, result) in this thread as each finishes.
+
+    On the first error, what has not started is cancelled, what runs finishes (and is recorded), and the
+    error is raised.
+    """
+    if not items:
+        return
+    pool = futures.ThreadPoolExecutor(max_workers=max(1, min(num_threads, len(items))))
+    errors = []
+    try:
+        jobs = {pool.submit(fn, item): item for item in items}
+        for job in futures.as_completed(jobs):
+            if job.cancelled():
+                continue
+            try:
+                result = job.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the running copies finish
+                if not errors:
+                    for other in jobs:
+                        other.cancel()
+                errors.append(e)
+                continue
+            on_result(jobs[job], result)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    if errors:
+        raise errors[0]
+
+
+def _legacy_manifest_name(name: str) -> str | None:
+    """"manifest-train.json" -> "train-manifest.json" (the name older versions used); else None."""
+    match = re.fullmatch(r"manifest-(.+)\.json", name)
+    return tfio.LEGACY_MANIFEST_FORMAT.format(split=match.group(1)) if match else None
+
+
+def stage_manifests(src_dir: str, dest_dir: str, names: list[str]) -> None:
+    """Copies the (small) manifests when the staged copy differs; atomically, like the shards.
+
+    A legacy-named manifest staged by an older version goes: split globs would read it as a shard.
+    """
+    for name in names:
+        legacy = _legacy_manifest_name(name)
+        if legacy:
+            tfio.remove_quietly(os.path.join(dest_dir, legacy))
+        with open(os.path.join(src_dir, name), "rb") as f:
+            data = f.read()
+        final = os.path.join(dest_dir, name)
+        try:
+            with open(final, "rb") as f:
+                if f.read() == data:
+                    continue
+        except FileNotFoundError:
+            pass
+        tfio.write_bytes(final, data)

@@ -1,0 +1,170 @@
+"""File helpers without TensorFlow: atomic writes, checksums, and the conversion manifests.
+
+Atomic writes: the bytes go to a dot-file next to the target, `.{name}.tmp-{pid}`, which is renamed
+over the target (os.replace) only once it is complete. Readers see the old file or the whole new
+one; a killed writer leaves only its dot-file, which no shard glob (`train*`, `train-*`) matches.
+
+Manifests: `manifest-{split}.json`, written by tfscale.data.convert next to the shards it describes
+(`{split}-manifest.json` in older versions: still read, never written). Reading them happens here
+and only here, with one error type (`ManifestError`) that names the file.
+
+Importing this module imports no TensorFlow; only a manifest on a remote file system (`gs://...`)
+is read through tf.io.gfile, imported at that point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import os
+from typing import Iterator
+
+_TEMP_INFIX = ".tmp-"
+_CHUNK_BYTES = 8 << 20  # large sequential reads suit parallel file systems
+# Not "{split}-manifest.json": Model Garden's `train*` and NVIDIA's `train-*` globs would read it as a
+# shard (DataLossError: corrupted record at 0). That name is still read, from older conversions.
+MANIFEST_FORMAT = "manifest-{split}.json"
+LEGACY_MANIFEST_FORMAT = "{split}-manifest.json"
+MANIFEST_GLOBS = (MANIFEST_FORMAT.format(split="*"), LEGACY_MANIFEST_FORMAT.format(split="*"))  # every split
+
+
+class ManifestError(ValueError):
+    """A manifest exists but cannot be used (not JSON, no list of shards); the message names the file."""
+
+
+# ------------------------------------------------------------------------------------ atomic writes
+
+
+def temp_path(path: str) -> str:
+    """Where an atomic write of `path` puts its bytes first: `.{name}.tmp-{pid}` in the same directory.
+
+    Same directory: os.replace is atomic only within one file system. A leading dot of `name` is not
+    doubled (`.state.json` -> `.state.json.tmp-42`).
+    """
+    directory, name = os.path.split(os.fspath(path))
+    return os.path.join(directory, f".{name.lstrip('.')}{_TEMP_INFIX}{os.getpid()}")
+
+
+def temp_files(directory: str, name_glob: str) -> list[str]:
+    """Sorted paths of temporaries that killed writers of files matching `name_glob` left in `directory`."""
+    pattern = f".{name_glob.lstrip('.')}{_TEMP_INFIX}[0-9]*"
+    return sorted(glob.glob(os.path.join(glob.escape(directory), pattern)))
+
+
+@contextlib.contextmanager
+def replaced_on_success(path: str) -> Iterator[str]:
+    """Yields `temp_path(path)` to write to; renames it to `path` when the block completes.
+
+    When the block raises (or the process is interrupted), the temporary is deleted and `path` is
+    left as it was.
+    """
+    temp = temp_path(path)
+    try:
+        yield temp
+        os.replace(temp, path)
+    except BaseException:
+        remove_quietly(temp)
+        raise
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Writes `data` to `path` atomically (see the module docstring), fsynced before the rename."""
+    with replaced_on_success(path) as temp:
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # an OS crash right after the rename must not leave an empty file
+
+
+def write_json(path: str, obj, *, indent: int = 2, sort_keys: bool = False) -> None:
+    """Writes `obj` as JSON (plus a final newline) to `path` atomically: never a half-written file."""
+    write_bytes(path, (json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n").encode("utf-8"))
+
+
+def remove_quietly(path: str) -> None:
+    """Deletes `path`; a file that is already gone is not an error."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------- checksums
+
+
+def file_sha256(path: str) -> str:
+    """Hex sha256 of the file at `path`, read in chunks (shards are far larger than memory allows)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- manifests
+
+
+def manifest_path(data_dir: str, split: str) -> str:
+    """Where tfscale.data.convert writes the manifest of `split`."""
+    return os.path.join(data_dir, MANIFEST_FORMAT.format(split=split))
+
+
+def legacy_manifest_path(data_dir: str, split: str) -> str:
+    """Where older tfscale versions wrote it (split globs match it: read, never written)."""
+    return os.path.join(data_dir, LEGACY_MANIFEST_FORMAT.format(split=split))
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in os.fspath(path)
+
+
+def _exists(path: str) -> bool:
+    if _is_remote(path):
+        import tensorflow as tf  # only for gs:// and other remote data dirs
+
+        return tf.io.gfile.exists(path)
+    return os.path.exists(path)
+
+
+def _read_text(path: str) -> str:
+    if _is_remote(path):
+        import tensorflow as tf
+
+        with tf.io.gfile.GFile(path, "r") as f:
+            return f.read()
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def find_manifest(data_dir: str, split: str) -> str | None:
+    """Path of the manifest of `split` in `data_dir` (local or gs://...): current name first; None if none."""
+    for path in (manifest_path(data_dir, split), legacy_manifest_path(data_dir, split)):
+        if _exists(path):
+            return path
+    return None
+
+
+def read_manifest_file(path: str) -> dict | None:
+    """The manifest at `path`, None when there is no such file; ManifestError when it is unusable."""
+    try:
+        text = _read_text(path)
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"manifest {path} is not valid JSON: {e}") from e
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and "name" in s for s in shards):
+        raise ManifestError(f"manifest {path} has no valid 'shards' list")
+    return manifest
+
+
+def read_manifest(data_dir: str, split: str) -> dict | None:
+    """The manifest of `split` in `data_dir` (local or gs://...), None if there is none."""
+    path = find_manifest(data_dir, split)
+    return None if path is None else read_manifest_file(path)
