@@ -13,7 +13,7 @@ import tensorflow as tf
 from conftest import REPO, load_config, run_cli
 from PIL import Image
 
-from tfscale import export, train
+from tfscale import engine, export, train
 
 DIGIT_CLASSES = [f"digit_{d}" for d in range(10)]
 IMAGE_SIZE_PX = 16  # the 8x8 scans upscaled: 4x cheaper than 32x32 and still ~95% top-1 after 88 steps
@@ -267,7 +267,7 @@ def test_reexport_replaces_the_previous_export_whole(bfloat16_run, bfloat16_expo
 def test_channels_first_run_exports_a_model_that_serves_on_cpu(tmp_path):
     """GPU recipes may train channels_first (CPUs cannot run it): the export is channels_last, same weights."""
     cfg = load_config("smoke", "--config.model.data_format=channels_first", "--config.data.num_classes=3")
-    model = train.build_model(cfg)
+    model = engine.build_model(cfg)
     rng = np.random.default_rng(0)
     for weight in model.weights:  # distinct values everywhere, so a misplaced weight cannot go unnoticed
         weight.assign(rng.uniform(0.5, 1.5, size=weight.shape).astype("float32"))

@@ -18,7 +18,7 @@ from test_multiworker import (DRIVER, assert_weights_close, kill_rank1_once_trai
                               read_log, sigterm_then_resume, start_workers, weights)
 
 from tfscale import config as tfs_config
-from tfscale import distribute, launch
+from tfscale import collectives, distribute, launch
 
 pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
 
@@ -166,11 +166,11 @@ def test_sync_bn_with_horovod_is_refused():
 
 def test_horovod_rank_loss_is_averaged_over_its_own_batch():
     cluster = distribute.Cluster(backend="horovod", strategy=None, rank=0, size=4, local_rank=0, num_replicas=4,
-                                 host="h", hvd=object())
+                                 host="h", _collectives=collectives.HorovodCollectives(hvd=object(), strategy=None))
     assert cluster.loss_batch_size(256) == 64
     assert not cluster.saving_is_collective
     mwms = distribute.Cluster(backend="mwms", strategy=None, rank=0, size=4, local_rank=0, num_replicas=4,
-                              host="h")
+                              host="h", _collectives=collectives.StrategyCollectives(strategy=None))
     assert mwms.loss_batch_size(256) == 256 and mwms.saving_is_collective
 
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import load_config
 
 from tfscale import config as tfs_config
-from tfscale import export, init_from, train
+from tfscale import engine, export, init_from, train
 
 SOURCE_CLASSES = 10
 TARGET_CLASSES = 5
@@ -130,7 +130,7 @@ def test_head_mismatch_without_skip_head_names_the_variable_and_both_shapes(sour
 
 def fresh_model(num_classes):
     keras.utils.set_random_seed(1)
-    return train.build_model(load_config("smoke", f"--config.data.num_classes={num_classes}"))
+    return engine.build_model(load_config("smoke", f"--config.data.num_classes={num_classes}"))
 
 
 def assert_loaded_backbone(model, source_weights, head_loaded: bool):
@@ -146,25 +146,25 @@ def test_keras_file_source_from_an_export(source, tmp_path):
     export.export(source[0], str(tmp_path / "export"))
     path = str(tmp_path / "export" / "model.keras")
     same = fresh_model(SOURCE_CLASSES)
-    report = init_from.apply(load_config("smoke", f"--config.model.init_from={path}"), same, train.build_model)
+    report = init_from.apply(load_config("smoke", f"--config.model.init_from={path}"), same, engine.build_model)
     assert_loaded_backbone(same, source[1], head_loaded=True)
     assert report.skipped == [] and len(report.loaded) == len(source[1])
     smaller = fresh_model(TARGET_CLASSES)
-    report = init_from.apply(finetune_config(path), smaller, train.build_model)
+    report = init_from.apply(finetune_config(path), smaller, engine.build_model)
     assert_loaded_backbone(smaller, source[1], head_loaded=False)
     assert report.skipped == list(HEAD)
 
 
 def test_weights_h5_source(source, tmp_path):
-    restored = init_from.restore_run(source[0], train.build_model).model
+    restored = init_from.restore_run(source[0], engine.build_model).model
     path = str(tmp_path / "source.weights.h5")
     restored.save_weights(path)
     model = fresh_model(TARGET_CLASSES)
-    init_from.apply(finetune_config(path), model, train.build_model)
+    init_from.apply(finetune_config(path), model, engine.build_model)
     assert_loaded_backbone(model, source[1], head_loaded=False)
     with pytest.raises(ValueError, match=r"logits/kernel has shape \(64, 10\) there but \(64, 5\)"):
         init_from.apply(finetune_config(path, "--config.model.init_skip_head=False"), fresh_model(TARGET_CLASSES),
-                        train.build_model)
+                        engine.build_model)
 
 
 def test_checkpoint_prefix_source(source, tmp_path):
@@ -173,23 +173,23 @@ def test_checkpoint_prefix_source(source, tmp_path):
                       if p.endswith(".index"))
     assert prefixes == ["ckpt-20"]
     model = fresh_model(TARGET_CLASSES)
-    init_from.apply(finetune_config(os.path.join(source[0], "checkpoints", "ckpt-20")), model, train.build_model)
+    init_from.apply(finetune_config(os.path.join(source[0], "checkpoints", "ckpt-20")), model, engine.build_model)
     assert_loaded_backbone(model, source[1], head_loaded=False)
 
 
 def test_other_architecture_fails_naming_a_variable(source):
     cfg = finetune_config(source[0], "--config.model.name=cifar_resnet20")
-    model = train.build_model(cfg)
+    model = engine.build_model(cfg)
     with pytest.raises(ValueError, match=r"does not fit config.model.name='cifar_resnet20': \d+ variables of the "
                                          r"model are not in it \(first: stage1_block2_conv1/kernel\)"):
-        init_from.apply(cfg, model, train.build_model)
+        init_from.apply(cfg, model, engine.build_model)
 
 
 def test_workdir_without_checkpoint_fails_naming_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(load_config("smoke").to_dict()))
     cfg = finetune_config(str(tmp_path))
     with pytest.raises(ValueError, match=f"no checkpoint in {tmp_path}/checkpoints"):
-        init_from.apply(cfg, fresh_model(TARGET_CLASSES), train.build_model)
+        init_from.apply(cfg, fresh_model(TARGET_CLASSES), engine.build_model)
 
 
 def test_validate_rejects_a_missing_source(tmp_path):

@@ -221,6 +221,59 @@ def test_wrong_peer_address_fails_preflight_naming_it(tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))  # nothing trained, nothing written
 
 
+# --- the heartbeat timeout: private TensorFlow API, checked ----------------------------------------
+
+# A one-worker MWMS cluster from an explicit TF_CONFIG (the path that sets the heartbeat timeout),
+# then a collective on it. argv[1] "hide" makes the coordination protobuf unimportable, as on a
+# TensorFlow that moved it: setup must warn once and carry on with TensorFlow's default.
+COORDINATION_SCRIPT = r"""
+import json, sys
+from tensorflow.python.eager import context
+from tfscale import distribute
+from tfscale.config import base_config
+if sys.argv[1] == "hide":
+    for name in distribute._COORDINATION_CONFIG_MODULES:
+        sys.modules[name] = None  # `import name` now raises ImportError
+configured = []
+real_configure = distribute._configure_coordination_service
+distribute._configure_coordination_service = lambda *args: configured.append(real_configure(*args)) or configured[-1]
+cfg = base_config().distribute
+cfg.backend, cfg.heartbeat_timeout_s = "mwms", 7.0
+tf_config = {"cluster": {"worker": [f"127.0.0.1:{sys.argv[2]}"]}, "task": {"type": "worker", "index": 0}}
+cluster = distribute.setup(cfg, env={"TF_CONFIG": json.dumps(tf_config)})
+configured.append(real_configure(tf_config, 7.0))  # a second time: no second warning
+service = context.context().coordination_service
+print(json.dumps({"configured": configured, "size": cluster.size, "gathered": cluster.gather_per_worker([3.0]),
+                  "heartbeat_ms": service.heartbeat_timeout_in_ms if service else None}))
+"""
+
+
+def run_coordination_script(mode):
+    [port] = launch.free_ports(1)
+    result = subprocess.run([sys.executable, "-c", COORDINATION_SCRIPT, mode, str(port)], cwd=REPO,
+                            env=quiet_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def test_heartbeat_timeout_is_set_through_the_private_api_on_this_tensorflow():
+    out, stderr = run_coordination_script("installed")
+    assert out["configured"][0] is True and out["heartbeat_ms"] == 7000
+    assert out["size"] == 1 and out["gathered"] == [[3.0]]
+    assert "heartbeat_timeout_s is not applied" not in stderr
+
+
+def test_missing_coordination_api_warns_once_and_setup_continues():
+    out, stderr = run_coordination_script("hide")
+    assert out["configured"] == [False, False]
+    assert out["size"] == 1 and out["gathered"] == [[3.0]]  # the cluster came up and its collectives work
+    assert out["heartbeat_ms"] != 7000  # MWMS configured the service itself, with TensorFlow's default
+    warning = f"TensorFlow {distribute.tf.__version__} does not offer the private coordination-service API"
+    assert stderr.count(warning) == 1, stderr[-3000:]
+    assert stderr.count("dead-worker detection uses TensorFlow's default heartbeat timeout "
+                        "(distribute.heartbeat_timeout_s is not applied)") == 1
+
+
 # --- cluster resolution, no processes ---------------------------------------------------------------
 
 

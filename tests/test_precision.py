@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from conftest import load_config
 
-from tfscale import distribute, train
+from tfscale import distribute, engine, train
 from tfscale.data import pipeline
 
 
@@ -45,10 +45,10 @@ def test_float16_loss_scaling_skips_an_overflowing_step_and_lowers_the_scale(flo
     cfg = load_config("smoke", "--config.precision=mixed_float16", "--config.data.global_batch_size=8")
     cluster = distribute.setup(cfg.distribute)
     with cluster.strategy.scope():
-        model = train.build_model(cfg)
-        optimizer = train.build_optimizer(cfg, model)
+        model = engine.build_model(cfg)
+        optimizer = engine.build_optimizer(cfg, model)
     assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    step = train.make_train_step(cfg, cluster, model, optimizer)
+    step = engine.make_train_step(cfg, cluster, model, optimizer)
     data = cluster.strategy.distribute_datasets_from_function(
         pipeline.train_input_fn(cfg.data, seed=0, start_step=0)
     )

@@ -11,7 +11,7 @@ to quote, not the absolute rates of a shared 2-core machine.
           8/7 of the crop, as the usual 256 -> 224 recipe) followed by `RandomCrop` + `RandomFlip`
           (Keras 3 has no random-resized-crop layer).
   * `compare_keras_fit` (benchmark.mode=train, compare_keras_fit=True, one process): tfscale's
-      training step (`train.make_train_step`, what the loop runs) vs Keras `model.fit` on the same
+      training step (`engine.make_train_step`, what the loop runs) vs Keras `model.fit` on the same
       model, optimizer, input pipeline and batch; both timed step by step (interval between step
       ends, loss read every step), median step time per round.
 """
@@ -27,7 +27,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale import optim, train
+from tfscale import engine, optim
 from tfscale.data import pipeline, preprocess
 
 _KERAS_RESIZE_RATIO = 8 / 7  # resize to 256 before a 224 crop, as the classic ImageNet recipe
@@ -166,16 +166,16 @@ def median_step_rate(step_ends: list[float], num_timed: int, global_batch_size: 
 def _keras_fit_model(cfg: ml_collections.ConfigDict) -> keras.Model:
     """The same model and optimizer, compiled as a Keras user would (L2 through the loss, as tfscale)."""
     keras.utils.set_random_seed(cfg.seed)
-    model = train.build_model(cfg)
+    model = engine.build_model(cfg)
     weight_decay = optim.loss_weight_decay(cfg.optim)
 
     def loss(labels, logits):
         # Keras hands class ids over as floats; soft MixUp/CutMix targets come as [batch, classes].
         labels = labels if labels.shape.rank == 2 else tf.cast(labels, tf.int32)
-        per_example = train.cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
+        per_example = engine.cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
         return tf.reduce_mean(per_example) + (optim.l2_loss(model.trainable_variables, weight_decay) if weight_decay else 0.0)
 
-    model.compile(optimizer=train.build_optimizer(cfg, model), loss=loss, jit_compile=cfg.jit_compile)
+    model.compile(optimizer=engine.build_optimizer(cfg, model), loss=loss, jit_compile=cfg.jit_compile)
     return model
 
 
@@ -197,15 +197,17 @@ def _loop_rate(train_step, cluster, input_fn, num_batches: int, global_batch_siz
     return median_step_rate(step_ends, num_batches, global_batch_size)
 
 
-def compare_keras_fit(cfg: ml_collections.ConfigDict, cluster, data_dir: str) -> dict:
-    """Median images/sec of tfscale's training step and of Keras `model.fit`, same model, data and batch."""
+def compare_keras_fit(cfg: ml_collections.ConfigDict, cluster, model, optimizer, input_fn) -> dict:
+    """Median images/sec of tfscale's training step and of Keras `model.fit`, same model, data and batch.
+
+    `model`, `optimizer`: the benchmark's own, trained here by tfscale's step; `fit` needs a compiled
+    model of its own, built from the same config and seed.
+    """
     if cluster.size != 1 or cluster.num_replicas != 1:
         raise ValueError("config.benchmark.compare_keras_fit=True compares one process on one device: "
                          "run it without a launcher and with config.distribute.backend=one_device")
     batch, steps = cfg.data.global_batch_size, cfg.benchmark.num_batches
-    input_fn = pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0, data_dir=data_dir)
-    model, optimizer = train.build_model_and_optimizer(cfg, cluster)
-    train_step = train.make_train_step(cfg, cluster, model, optimizer)
+    train_step = engine.make_train_step(cfg, cluster, model, optimizer)
     fit_model = _keras_fit_model(cfg)
     candidates = {
         "tfscale_loop": lambda: _loop_rate(train_step, cluster, input_fn, steps, batch),

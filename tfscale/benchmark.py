@@ -45,8 +45,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfscale import baselines, distribute, train
+from tfscale import callbacks as tfs_callbacks
 from tfscale import config as tfs_config
+from tfscale import engine, io
 from tfscale.data import pipeline
 
 _RULE = "-" * 64
@@ -87,20 +88,20 @@ def _device_batch(cluster, input_fn):
 
 
 def make_batch_step(cfg, cluster, model, optimizer):
-    """The training step of `train.py` on a given (distributed) batch, instead of an iterator."""
-    replica_step = train.make_replica_step(cfg, cluster, model, optimizer)
+    """The training step the loop runs (engine), on a given (distributed) batch instead of an iterator."""
+    replica_step = engine.make_replica_step(cfg, cluster, model, optimizer)
     no_stop = tf.constant(0.0)
 
     @tf.function
     def batch_step(batch):
-        return train.run_replica_step(cluster, replica_step, *batch, no_stop)
+        return engine.run_replica_step(cluster, replica_step, *batch, no_stop)
 
     return batch_step
 
 
 def make_forward_backward_step(cfg, cluster, model, optimizer):
     """The step without gradient all-reduce and update: what each device computes on its own."""
-    loss_and_grads = train.make_loss_and_grads(cfg, cluster, model, optimizer)
+    loss_and_grads = engine.make_loss_and_grads(cfg, cluster, model, optimizer)
 
     def replica_fn(images, labels):
         loss_share, grads = loss_and_grads(images, labels)
@@ -119,7 +120,7 @@ def make_allreduce_step(cluster, model):
     """The step's gradient all-reduce alone, on tensors of the gradients' shapes (the weights)."""
 
     def replica_fn():
-        reduced = cluster.gradient_all_reduce([tf.identity(v.value) for v in model.trainable_variables])
+        reduced = cluster.standalone_gradient_all_reduce([tf.identity(v.value) for v in model.trainable_variables])
         return tf.add_n([tf.reshape(r, [-1])[0] for r in reduced])
 
     @tf.function
@@ -146,9 +147,9 @@ def run_steps(cfg, next_batch, batch_step, callback_list, per_worker_batch: int,
     input_wait_s, compute_s, step_s, losses = [], [], [], []
     if is_chief:
         print("Step\tImg/sec\ttotal_loss", flush=True)
-    callback_list.on_train_begin()
+    callback_list.on_train_begin({"global_step": 0})
     for index in range(total_steps):
-        callback_list.on_train_batch_begin(index)
+        callback_list.on_train_batch_begin(index, {"global_step": index})
         start = time.perf_counter()
         batch = next_batch()
         fetched = time.perf_counter()
@@ -228,28 +229,33 @@ def _gather_rates(cluster, steps: dict, per_worker_batch: int, warmup: int) -> l
              "median_step_ms": round(r[2], 3)} for rank, r in enumerate(rows)]
 
 
+def _batch_source(cfg, cluster, input_fn):
+    """`next_batch()`: the same device-resident batch every step (synthetic mode) or the next input batch."""
+    if cfg.benchmark.mode == "synthetic":
+        device_batch = _device_batch(cluster, input_fn)
+        return lambda: device_batch
+    iterator = iter(cluster.distribute_dataset(input_fn))
+    return lambda: next(iterator)
+
+
 def run_step_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[dict, bool]:
     """Modes synthetic and train: times the training step on every worker; (report, is this the chief)."""
-    cluster = distribute.setup(cfg.distribute)
-    tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
-    data_dir = pipeline.prepare_data_dir(cfg.data, num_train_examples=cfg.data.num_train_examples,
-                                         num_eval_examples=cfg.data.num_eval_examples)
-    with train.precision_policy(cfg.precision):
-        model, optimizer = train.build_model_and_optimizer(cfg, cluster)
-        input_fn = pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0, data_dir=data_dir)
+    run = engine.setup(cfg)
+    cluster = run.cluster
+    with engine.precision_policy(cfg.precision):
+        model, optimizer = engine.build_model_and_optimizer(cfg, cluster)
+        input_fn = pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0, data_dir=run.data_dir)
         fit_comparison = None
         if cfg.benchmark.compare_keras_fit:
-            fit_comparison = baselines.compare_keras_fit(cfg, cluster, data_dir)
-        batch_step = make_batch_step(cfg, cluster, model, optimizer)
-        if cfg.benchmark.mode == "synthetic":
-            device_batch = _device_batch(cluster, input_fn)
-            next_batch = lambda: device_batch  # noqa: E731 - the same device-resident batch every step
-        else:
-            iterator = iter(cluster.distribute_dataset(input_fn))
-            next_batch = lambda: next(iterator)  # noqa: E731
-        callback_list = keras.callbacks.CallbackList(train.profiler_callbacks(cfg, workdir, cluster), model=model)
+            from tfscale import baselines  # model.fit and its second model only when asked for
+
+            fit_comparison = baselines.compare_keras_fit(cfg, cluster, model, optimizer, input_fn)
+        next_batch = _batch_source(cfg, cluster, input_fn)
+        profiler = tfs_callbacks.profiler_callbacks(cfg.profile_steps, os.path.join(workdir, "tensorboard"),
+                                                    is_chief=cluster.is_chief)
         per_worker_batch = cfg.data.global_batch_size // cluster.size
-        steps = run_steps(cfg, next_batch, batch_step, callback_list, per_worker_batch, cluster.is_chief)
+        steps = run_steps(cfg, next_batch, make_batch_step(cfg, cluster, model, optimizer),
+                          keras.callbacks.CallbackList(profiler, model=model), per_worker_batch, cluster.is_chief)
         breakdown = breakdown_ms(cfg, cluster, model, optimizer, next_batch(), steps)
     per_worker = _gather_rates(cluster, steps, per_worker_batch, cfg.benchmark.num_warmup_batches)
     return _step_report(cfg, cluster, steps, per_worker, breakdown, fit_comparison), cluster.is_chief
@@ -309,31 +315,38 @@ def print_step_summary(report: dict) -> None:
 def write_report(workdir: str, report: dict, cfg: ml_collections.ConfigDict) -> str:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "benchmark.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({**report, "config": cfg.to_dict()}, f, indent=2)
-    os.replace(path + ".tmp", path)  # never a half-written report
+    io.write_json(path, {**report, "config": cfg.to_dict()})
     return path
 
 
 def run_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs `cfg.benchmark.mode`; the chief prints the report and writes workdir/benchmark.json."""
     cfg = _benchmark_config(cfg)
-    tfs_config.validate(cfg)  # config mistakes fail before any cluster is waited for
     if cfg.benchmark.mode == "input":
-        if cfg.data.dataset != "tfrecord":
-            raise ValueError("config.benchmark.mode='input' needs config.data.dataset='tfrecord' and data_dir")
-        report = {"mode": "input", **baselines.compare_input_pipelines(cfg), "versions": versions(), "host": host_info()}
-        write_report(workdir, report, cfg)
-        baselines.print_input_report(report)
-        print(json.dumps({k: v for k, v in report.items() if k.endswith("images_per_sec")}))
-        return report
+        return run_input_benchmark(cfg, workdir)
     report, is_chief = run_step_benchmark(cfg, workdir)
     if is_chief:
         path = write_report(workdir, report, cfg)
         if "keras_fit_comparison" in report:
+            from tfscale import baselines
+
             baselines.print_fit_report(report["keras_fit_comparison"], cfg)
         print_step_summary(report)
         logging.info("benchmark report: %s", path)
+    return report
+
+
+def run_input_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Mode input: tfscale's input pipeline against the baselines, one process, no model."""
+    from tfscale import baselines  # the pipelines tfscale's input is compared with
+
+    tfs_config.validate(cfg)
+    if cfg.data.dataset != "tfrecord":
+        raise ValueError("config.benchmark.mode='input' needs config.data.dataset='tfrecord' and data_dir")
+    report = {"mode": "input", **baselines.compare_input_pipelines(cfg), "versions": versions(), "host": host_info()}
+    write_report(workdir, report, cfg)
+    baselines.print_input_report(report)
+    print(json.dumps({k: v for k, v in report.items() if k.endswith("images_per_sec")}))
     return report
 
 

@@ -1,7 +1,8 @@
 """Keras callbacks that tfscale's training loop drives through `keras.callbacks.CallbackList`.
 
-The loop calls them with Keras' own conventions (`batch` is the index within the epoch) and adds
-`global_step` (steps completed, 1-based) to the batch-end logs; `CallbackList` turns every log value
+The loop calls them with Keras' own conventions (`batch` is the index within the epoch) and puts the
+run's one step counter in the logs as `global_step`: the steps completed so far (at train begin and
+batch begin: before this batch; at batch end: including it). `CallbackList` turns every log value
 into a float, hence the `int(...)` where it is read. Decisions that only the chief may take
 (writing files, printing) are made here from `is_chief`, not scattered through the loop.
 """
@@ -17,14 +18,17 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfscale import config as tfs_config
 from tfscale import schedules
 
 
-class LearningRateScheduler(keras.callbacks.Callback):
-    """Sets the optimizer's LR before every batch from `schedule(optimizer.iterations)`.
+class LearningRatePerStep(keras.callbacks.Callback):
+    """Sets the optimizer's LR before every batch to `schedule(global_step)`.
 
-    Reading the step from the optimizer (a checkpointed variable) rather than counting batches means
-    a resumed run and every worker land on the same point of the curve.
+    The step comes from the loop's logs (`global_step`: steps completed before this batch), the
+    run's one checkpointed step counter, so a resumed run and every worker land on the same point of
+    the curve. Unlike `keras.callbacks.LearningRateScheduler` (a function of the epoch), this sets
+    the LR every step, as warmups and cosine decays need.
     """
 
     def __init__(self, schedule: Callable[[int], float]):
@@ -32,8 +36,7 @@ class LearningRateScheduler(keras.callbacks.Callback):
         self.schedule = schedule
 
     def on_train_batch_begin(self, batch, logs=None):
-        optimizer = self.model.optimizer
-        optimizer.learning_rate = self.schedule(int(optimizer.iterations.numpy()))
+        self.model.optimizer.learning_rate = self.schedule(int(logs["global_step"]))
 
 
 class MetricsLogger(keras.callbacks.Callback):
@@ -65,7 +68,7 @@ class MetricsLogger(keras.callbacks.Callback):
         self._mark_time, self._mark_step = time.perf_counter(), global_step
 
     def on_train_begin(self, logs=None):
-        self._restart_clock(int(self.model.optimizer.iterations.numpy()))
+        self._restart_clock(int(logs["global_step"]))
 
     def on_test_end(self, logs=None):
         # `logs` is the eval row (step, epoch, eval_*): written as is, then training time restarts.
@@ -128,33 +131,12 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-class CheckpointSaver(keras.callbacks.Callback):
-    """Saves `manager`'s checkpoint every `every_steps` global steps and when training ends.
-
-    Every worker calls save (under multi-worker strategies saving is a collective); which directory a
-    worker writes to is decided where the manager is built. `manager=None`: this worker never saves
-    (a Horovod rank other than 0).
-    """
-
-    def __init__(self, manager: tf.train.CheckpointManager | None, every_steps: int, restored_step: int | None = None):
-        super().__init__()
-        self.manager = manager
-        self.every_steps = every_steps
-        self._last_saved_step = restored_step  # a resumed run does not write the step it restored again
-
-    def save(self, global_step: int) -> None:
-        if self.manager is not None and global_step != self._last_saved_step:
-            self.manager.save(checkpoint_number=global_step)
-            self._last_saved_step = global_step
-            logging.info("saved checkpoint at step %d to %s", global_step, self.manager.directory)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(logs["global_step"]) % self.every_steps == 0:
-            self.save(int(logs["global_step"]))
-
-    def on_train_end(self, logs=None):
-        if logs and "global_step" in logs:
-            self.save(int(logs["global_step"]))
+def profiler_callbacks(profile_steps: str, logdir: str, *, is_chief: bool) -> list[keras.callbacks.Callback]:
+    """A Profiler for `config.profile_steps` ("START,END"), or nothing when it is empty."""
+    window = tfs_config.profile_window(profile_steps)
+    if window is None:
+        return []
+    return [Profiler(logdir, first_step=window[0], last_step=window[1], is_chief=is_chief)]
 
 
 class Profiler(keras.callbacks.Callback):
@@ -173,7 +155,7 @@ class Profiler(keras.callbacks.Callback):
         self.active = False
 
     def on_train_batch_begin(self, batch, logs=None):
-        next_step = int(self.model.optimizer.iterations.numpy()) + 1
+        next_step = int(logs["global_step"]) + 1
         if self.enabled and not self.active and self.first_step <= next_step <= self.last_step:
             tf.profiler.experimental.start(self.logdir)
             self.active = True
@@ -230,8 +212,9 @@ class MetricAverage(keras.callbacks.Callback):
         if not logs:
             return
         keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float)))  # same order on every rank
-        for key, mean in zip(keys, self.cluster.mean_across_processes([float(logs[k]) for k in keys])):
-            logs[key] = mean
+        rows = self.cluster.gather_per_worker([float(logs[k]) for k in keys])
+        for key, column in zip(keys, zip(*rows)):
+            logs[key] = sum(column) / len(column)
 
 
 class LearningRateWarmup(keras.callbacks.Callback):
@@ -243,12 +226,13 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
     def __init__(self, cluster, *, initial_lr: float, warmup_epochs: float = 5, steps_per_epoch: int):
         super().__init__()
-        self.warmup_steps = round(warmup_epochs * steps_per_epoch)
+        self.warmup_steps = schedules.epochs_to_steps(warmup_epochs, steps_per_epoch)
         self.schedule = lambda step: schedules.horovod_warmup_lr(
             step, target_lr=initial_lr, num_replicas=cluster.size, warmup_steps=self.warmup_steps
         )
 
     def on_train_batch_begin(self, batch, logs=None):
+        # model.fit's own count: this callback serves Horovod scripts that keep using fit.
         step = int(self.model.optimizer.iterations.numpy())
         if step < self.warmup_steps:  # the last warmup batch reaches initial_lr, as in Horovod
             self.model.optimizer.learning_rate = self.schedule(step)

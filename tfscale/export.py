@@ -45,11 +45,10 @@ import keras
 import ml_collections
 import numpy as np
 import tensorflow as tf
-from absl import app, flags, logging
+from absl import flags, logging
 
 import tfscale
-from tfscale import init_from, models, train
-from tfscale.data import convert as convert_lib
+from tfscale import cli, engine, init_from, io, models
 from tfscale.data import preprocess
 
 SIGNATURE = "serving_default"
@@ -89,9 +88,9 @@ def restore_for_inference(workdir: str, checkpoint: str | None = None) -> init_f
     The checkpoint is restored into the model as trained (a checkpoint addresses layers by their
     position, which channels_first's extra transpose shifts), then copied by layer name.
     """
-    with train.precision_policy("float32"):
-        run = init_from.restore_run(workdir, train.build_model, checkpoint)
-        model = train.build_model(_inference_config(run.cfg))
+    with engine.precision_policy("float32"):
+        run = init_from.restore_run(workdir, engine.build_model, checkpoint)
+        model = engine.build_model(_inference_config(run.cfg))
         init_from.load_weights(model, init_from.model_weights(run.model), skip_head=False, where=run.checkpoint)
     return run._replace(model=model)
 
@@ -148,7 +147,7 @@ def class_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
     where = f"conversion manifest of split {data_cfg.train_split!r} in {data_cfg.data_dir}"
     if not tf.io.gfile.isdir(data_cfg.data_dir):
         return ClassNames(None, None, f"none: config.data.data_dir={data_cfg.data_dir!r} is not a directory here")
-    manifest = convert_lib.read_manifest(data_cfg.data_dir, data_cfg.train_split)
+    manifest = io.read_manifest(data_cfg.data_dir, data_cfg.train_split)
     if manifest is None:
         return ClassNames(None, None, f"none: no {where} (shards from another tool)")
     classes = manifest["classes"]
@@ -321,7 +320,7 @@ def export(workdir: str, output_dir: str | None = None, checkpoint: str | None =
     # Same file system as output_dir, so the final rename is atomic; removed on any failure.
     scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
     try:
-        with train.precision_policy("float32"):
+        with engine.precision_policy("float32"):
             _write_artifacts(run, names, info, scratch)
         _replace_directory(scratch, output_dir)
     finally:
@@ -343,25 +342,17 @@ def _define_flags() -> None:
     flags.mark_flags_as_required(["workdir"])
 
 
-def _main(argv: list[str]) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def _export_from_flags(f: flags.FlagValues) -> None:
     logs.configure()
-    f = flags.FLAGS
-    try:
-        info = export(f.workdir, f.output_dir, f.checkpoint)
-    except (ValueError, OSError, tf.errors.OpError) as err:  # bad input: one clear line, no traceback
-        logging.error("%s", err)
-        return 1
+    info = export(f.workdir, f.output_dir, f.checkpoint)
     print(json.dumps({"output_dir": os.path.dirname(info["artifacts"]["export_json"]), "step": info["step"],
                       "eval_metrics": info["eval_metrics"], "class_names": info["class_names_source"]}))
-    return 0
 
 
 def run(argv: list[str] | None = None) -> None:
     """Entry point of `tfscale-export` and `python -m tfscale.export`."""
-    _define_flags()
-    app.run(_main, argv=argv)
+    cli.run_tool(_export_from_flags, define_flags=_define_flags, errors=(*cli.INPUT_ERRORS, tf.errors.OpError),
+                 argv=argv)
 
 
 if __name__ == "__main__":

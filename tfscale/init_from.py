@@ -89,7 +89,7 @@ def workdir_of_checkpoint(prefix: str) -> str:
 def restore_run(workdir: str, build_model: BuildModel, checkpoint: str | None = None) -> RestoredRun:
     """Rebuilds the model of the run in `workdir` and restores `checkpoint` (default: the latest).
 
-    `build_model(cfg)` builds the model (`tfscale.train.build_model`), under whatever dtype policy is
+    `build_model(cfg)` builds the model (`tfscale.engine.build_model`), under whatever dtype policy is
     in force. Only the model is restored; the checkpoint's optimizer slots are not needed.
     """
     cfg = read_run_config(workdir)
@@ -211,7 +211,7 @@ def load_weights(model: keras.Model, source: dict[WeightKey, np.ndarray], *, ski
 def apply(cfg: ml_collections.ConfigDict, model: keras.Model, build_model: BuildModel) -> LoadReport | None:
     """Initialises `model` from `cfg.model.init_from` when it is set; logs what was loaded and skipped.
 
-    `build_model(cfg)` builds a source run's model from its config (`tfscale.train.build_model`).
+    `build_model(cfg)` builds a source run's model from its config (`tfscale.engine.build_model`).
     """
     path = cfg.model.init_from
     if not path:

@@ -230,7 +230,7 @@ def averaging_optimizer(optimizer: keras.optimizers.Optimizer, cluster) -> keras
     class Averaging(base):
         def apply_gradients(self, grads_and_vars):
             grads, variables = zip(*grads_and_vars)
-            return super().apply_gradients(zip(cluster.all_reduce_gradients(list(grads)), variables))
+            return super().apply_gradients(zip(cluster.gradients_for_apply(list(grads)), variables))
 
     Averaging.__name__ = Averaging.__qualname__ = f"Averaging{base.__name__}"
     return Averaging.from_config(optimizer.get_config())

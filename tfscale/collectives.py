@@ -1,0 +1,132 @@
+"""The backend half of `distribute.Cluster`: how replicas and processes reduce, broadcast and shard.
+
+`Collectives` is the interface; `StrategyCollectives` (one_device, mirrored, mwms) and
+`HorovodCollectives` (horovod) implement it. `distribute.setup` picks one and the Cluster delegates
+to it, so the Cluster's methods hold no backend branches. The rest of tfscale calls the Cluster
+methods of the same names, never these classes; this module imports neither Horovod nor any cluster
+environment (`distribute` passes it the horovod module).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+
+
+class Collectives(abc.ABC):
+    """How one backend reduces across replicas and processes (see the Cluster method of the same name)."""
+
+    saving_is_collective: bool  # every worker must take part in a checkpoint save
+    averages_gradients: bool  # the gradient reduction averages (True) or sums (False) the replicas'
+
+    @abc.abstractmethod
+    def gradients_for_apply(self, grads: list[tf.Tensor]) -> list[tf.Tensor]: ...
+
+    @abc.abstractmethod
+    def standalone_gradient_all_reduce(self, grads: list[tf.Tensor]) -> list[tf.Tensor]: ...
+
+    @abc.abstractmethod
+    def mean_over_replicas(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Replica-context mean of each tensor."""
+
+    @abc.abstractmethod
+    def sum_over_processes(self, tensor: tf.Tensor) -> tf.Tensor: ...
+
+    @abc.abstractmethod
+    def sum_over_workers(self, rows: np.ndarray) -> np.ndarray:
+        """Eager sum of a [num_workers, n] array that each worker passes with only its own row filled."""
+
+    @abc.abstractmethod
+    def broadcast_from_chief(self, variables) -> None: ...
+
+    @abc.abstractmethod
+    def distribute_dataset(self, input_fn: InputFn): ...
+
+
+class StrategyCollectives(Collectives):
+    """tf.distribute (one_device, mirrored, mwms): the strategy's own all-reduces; replicas start and stay equal."""
+
+    saving_is_collective = True
+    averages_gradients = False
+
+    def __init__(self, strategy: tf.distribute.Strategy):
+        self.strategy = strategy
+
+    def gradients_for_apply(self, grads):
+        return grads  # Keras' apply_gradients sums them across replicas
+
+    def standalone_gradient_all_reduce(self, grads):
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+
+    def mean_over_replicas(self, values):
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, values)
+
+    def sum_over_processes(self, tensor):
+        return tensor  # the strategy's `reduce` has summed over every worker already
+
+    def sum_over_workers(self, rows):
+        # A strategy reduce sums over replicas; each worker's replicas share its row.
+        share = tf.constant(rows / (self.strategy.num_replicas_in_sync // len(rows)))
+
+        @tf.function
+        def sum_rows():
+            return self.strategy.reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(lambda: share), axis=None)
+
+        return sum_rows().numpy()
+
+    def broadcast_from_chief(self, variables):
+        pass  # MWMS initialises and restores replicas identically itself
+
+    def distribute_dataset(self, input_fn):
+        return self.strategy.distribute_datasets_from_function(input_fn)
+
+
+class HorovodCollectives(Collectives):
+    """Horovod ranks, each its own one-device strategy: every reduction is an hvd collective.
+
+    A plain tape plus grouped_allreduce is the Horovod path that works on Keras 3:
+    hvd.DistributedOptimizer runs there but silently skips the averaging.
+    """
+
+    saving_is_collective = False
+    averages_gradients = True
+
+    def __init__(self, hvd: Any, strategy: tf.distribute.Strategy | None, fp16_allreduce: bool = False):
+        self.hvd = hvd  # the horovod.tensorflow module
+        self.strategy = strategy
+        self.fp16_allreduce = fp16_allreduce  # gradients travel as float16
+
+    def gradients_for_apply(self, grads):
+        compression = self.hvd.Compression.fp16 if self.fp16_allreduce else self.hvd.Compression.none
+        return self.hvd.grouped_allreduce(grads, op=self.hvd.Average, compression=compression)
+
+    def standalone_gradient_all_reduce(self, grads):
+        return self.gradients_for_apply(grads)
+
+    def mean_over_replicas(self, values):
+        return self.hvd.grouped_allreduce(values, op=self.hvd.Average)
+
+    def sum_over_processes(self, tensor):
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum)
+
+    def sum_over_workers(self, rows):
+        return self.hvd.allreduce(tf.constant(rows), op=self.hvd.Sum).numpy()
+
+    def broadcast_from_chief(self, variables):
+        # Ranks start from whatever each initialised or restored. Keras 3 variables go as the
+        # tf.Variable they wrap (`.value`): broadcast_variables needs `.ref()`, which they lack.
+        tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+        self.hvd.broadcast_variables(tf_variables, root_rank=0)
+
+    def distribute_dataset(self, input_fn):
+        # Each rank is its own one-device "strategy", so tell input_fn about the whole Horovod job.
+        size, rank = self.hvd.size(), self.hvd.rank()
+        context = tf.distribute.InputContext(num_input_pipelines=size, input_pipeline_id=rank,
+                                             num_replicas_in_sync=size)
+        return self.strategy.distribute_datasets_from_function(lambda _: input_fn(context))

@@ -1,0 +1,232 @@
+"""What training and benchmarking share: the run's set-up, its model and optimizer, its steps.
+
+    run = engine.setup(cfg)                                  # config checked, cluster up, data found
+    with engine.precision_policy(cfg.precision):
+        model, optimizer = engine.build_model_and_optimizer(cfg, run.cluster)
+        train_step = engine.make_train_step(cfg, run.cluster, model, optimizer)
+
+`train.py` drives these in its loop; `benchmark.py` times the very same step. A step is built in
+three layers, each usable alone (the benchmark times the first without the rest):
+
+  loss_and_grads(images, labels)       one replica's forward + backward (XLA-compiled with jit_compile)
+  replica_step(images, labels, stop)   + gradient reduction, update, BatchNorm state averaging
+  train_step(iterator, stop)           every replica's step, its loss summed over the whole job
+
+Only this module builds models, optimizers and steps from a config; `distribute.Cluster` supplies the
+collectives, so the code here has no branch per backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import keras
+import ml_collections
+import tensorflow as tf
+from absl import logging
+
+from tfscale import config as tfs_config
+from tfscale import distribute, models, optim
+from tfscale.data import pipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a run knows before it builds a model: its checked config, cluster, step counts and data."""
+
+    cfg: ml_collections.ConfigDict
+    cluster: distribute.Cluster
+    steps: tfs_config.Steps
+    data_dir: str  # where the shards are read from (the staged copy when data.stage_dir is set)
+
+
+def setup(cfg: ml_collections.ConfigDict) -> Run:
+    """Checks `cfg`, joins the cluster, then checks the data: each failure before anything costlier.
+
+    Config mistakes fail before a cluster is waited for; the batch split is checked once the number
+    of replicas is known; missing shards or a manifest mismatch fail before any model is built.
+    """
+    tfs_config.validate(cfg)
+    cluster = distribute.setup(cfg.distribute)
+    tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
+    data_dir = pipeline.prepare_data_dir(
+        cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples
+    )
+    return Run(cfg=cfg, cluster=cluster, steps=tfs_config.to_steps(cfg), data_dir=data_dir)
+
+
+# --- model and optimizer ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def precision_policy(precision: str):
+    """Keras' global dtype policy set to `precision` for the block, restored afterwards."""
+    previous_policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(precision)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous_policy)
+
+
+def build_model(cfg: ml_collections.ConfigDict) -> keras.Model:
+    """The configured model (under the current dtype policy); inside a strategy scope to distribute it."""
+    return models.create_from_config(cfg)
+
+
+def build_optimizer(cfg: ml_collections.ConfigDict, model: keras.Model) -> keras.optimizers.Optimizer:
+    """The configured optimizer, loss-scaled under float16, built so checkpoints restore into it."""
+    optimizer = optim.make_optimizer(cfg.optim, learning_rate=cfg.optim.lr)
+    if cfg.precision == "mixed_float16":
+        # float16 gradients underflow without it; bfloat16 has float32's range and needs none.
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    # Slots exist before restore, so a checkpoint fills them instead of being deferred.
+    optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+def build_model_and_optimizer(cfg: ml_collections.ConfigDict, cluster) -> tuple[keras.Model, keras.optimizers.Optimizer]:
+    """Seeded model and optimizer in the cluster's strategy scope; logs parameters and FLOPs."""
+    keras.utils.set_random_seed(cfg.seed)
+    with cluster.strategy.scope():
+        model = build_model(cfg)
+        optimizer = build_optimizer(cfg, model)
+    # What standard Keras callbacks look for; fit() would set them, and tfscale never calls compile/fit.
+    model.optimizer = optimizer
+    model.stop_training = False
+    info = models.describe(model)
+    logging.info("model %s: %d parameters, %.3g GFLOPs/image", cfg.model.name, info["params"], info["flops_per_image"] / 1e9)
+    return model, optimizer
+
+
+# --- the training step --------------------------------------------------------------------------------
+
+
+def cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
+    """Per-example loss in float32; `labels` are class ids, or soft targets from MixUp/CutMix."""
+    targets = labels if labels.dtype.is_floating else tf.one_hot(labels, num_classes, dtype=tf.float32)
+    return keras.losses.categorical_crossentropy(
+        tf.cast(targets, tf.float32), tf.cast(logits, tf.float32), from_logits=True, label_smoothing=label_smoothing
+    )
+
+
+def make_loss_and_grads(cfg, cluster, model, optimizer):
+    """`loss_and_grads(images, labels) -> (loss share, gradients)` of one replica: forward + backward only."""
+    global_batch_size = cfg.data.global_batch_size
+    weight_decay = optim.loss_weight_decay(cfg.optim)
+    loss_batch_size = cluster.loss_batch_size(global_batch_size)
+
+    def loss_and_grads(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            per_example = cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
+            # Normalised so that the backend's gradient reduction yields the global-batch mean.
+            objective = tf.nn.compute_average_loss(per_example, global_batch_size=loss_batch_size)
+            if weight_decay:
+                objective += tf.nn.scale_regularization_loss(optim.l2_loss(model.trainable_variables, weight_decay))
+            scaled = optimizer.scale_loss(objective)
+        # This replica's share of the global mean loss: the shares sum to it over all replicas.
+        loss_share = tf.reduce_sum(per_example) / global_batch_size
+        return loss_share, tape.gradient(scaled, model.trainable_variables)
+
+    if cfg.jit_compile:
+        # XLA compiles forward + backward only: the iterator and the cross-replica gradient
+        # all-reduce inside apply_gradients cannot live in an XLA cluster.
+        return tf.function(loss_and_grads, jit_compile=True)
+    return loss_and_grads
+
+
+def make_replica_step(cfg, cluster, model, optimizer):
+    """`replica_step(images, labels, stop_requested) -> [loss share, stop flag]`: one replica's part of a step."""
+    loss_and_grads = make_loss_and_grads(cfg, cluster, model, optimizer)
+
+    def replica_step(images, labels, stop_requested):
+        loss_share, grads = loss_and_grads(images, labels)
+        optimizer.apply_gradients(zip(cluster.gradients_for_apply(grads), model.trainable_variables))
+        if not cfg.model.sync_bn:  # synchronized BatchNorm computes identical statistics everywhere
+            cluster.average_replica_state(model.non_trainable_variables)
+        # The stop flag rides on the loss all-reduce: if any worker got SIGTERM, every worker
+        # learns it at the same step and they checkpoint together (saving is a collective).
+        return tf.stack([loss_share, stop_requested])
+
+    return replica_step
+
+
+def run_replica_step(cluster, replica_step, images, labels, stop_requested):
+    """Runs `replica_step` on every replica; returns [mean loss over the global batch, replicas stopping]."""
+    per_replica = cluster.strategy.run(replica_step, args=(images, labels, stop_requested))
+    return cluster.sum_over_processes(cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None))
+
+
+def make_train_step(cfg, cluster, model, optimizer):
+    """A compiled function running one global step.
+
+    `train_step(iterator, stop_requested)` returns [mean loss over the global batch, number of
+    replicas whose worker was asked to stop].
+    """
+    replica_step = make_replica_step(cfg, cluster, model, optimizer)
+
+    @tf.function
+    def train_step(iterator, stop_requested):
+        return run_replica_step(cluster, replica_step, *next(iterator), stop_requested)
+
+    return train_step
+
+
+# --- evaluation -------------------------------------------------------------------------------------
+
+
+def make_eval_step(cfg, cluster, model):
+    """A compiled function returning summed (loss, top-1 hits, top-5 hits, examples) of one batch."""
+    top_k = min(5, cfg.data.num_classes)
+
+    def replica_step(images, labels, mask):
+        logits = tf.cast(model(images, training=False), tf.float32)
+        per_example = cross_entropy(labels, logits, cfg.data.num_classes, 0.0)
+        top1 = tf.cast(tf.math.in_top_k(labels, logits, 1), tf.float32)
+        top5 = tf.cast(tf.math.in_top_k(labels, logits, top_k), tf.float32)
+        # Sums, not means: padded examples (mask 0) drop out and the totals add across replicas exactly.
+        return tf.stack([tf.reduce_sum(x * mask) for x in (per_example, top1, top5, mask)])
+
+    @tf.function
+    def eval_step(iterator):
+        sums = cluster.strategy.run(replica_step, args=next(iterator))
+        return cluster.sum_over_processes(cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None))
+
+    return eval_step
+
+
+def evaluate(eval_step, eval_dataset, num_steps: int) -> dict:
+    """Runs the eval set once; metrics are exact example counts over all replicas."""
+    iterator = iter(eval_dataset)
+    totals = tf.zeros([4])
+    for _ in range(num_steps):
+        totals += eval_step(iterator)
+    loss_sum, top1_hits, top5_hits, examples = totals.numpy().tolist()
+    return {
+        "eval_loss": loss_sum / examples,
+        "eval_top1": top1_hits / examples,
+        "eval_top5": top5_hits / examples,
+        "eval_examples": int(examples),
+    }
+
+
+# --- data ---------------------------------------------------------------------------------------------
+
+
+def train_dataset(run: Run, start_step: int):
+    """The training input, distributed over the job, continuing the data order at `start_step`."""
+    cfg = run.cfg
+    return run.cluster.distribute_dataset(
+        pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step, data_dir=run.data_dir)
+    )
+
+
+def eval_dataset(run: Run):
+    """The whole eval set once, in padded batches whose padding is masked out of the metrics."""
+    cfg, steps = run.cfg, run.steps
+    return run.cluster.distribute_dataset(
+        pipeline.eval_input_fn(cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size,
+                               num_steps=steps.eval_steps, data_dir=run.data_dir)
+    )
