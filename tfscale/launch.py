@@ -14,7 +14,8 @@ per launch for nothing). It prefixes worker output with `[rank r] `, forwards SI
 sends SIGTERM before killing a job, and the workers checkpoint on it), stops the whole job as soon as
 one worker fails, and exits with the first failing worker's code. Workers run in their own sessions
 so that the launcher can signal and kill each worker's whole process group, grandchildren included:
-no process it started outlives it.
+no process it started outlives it. That supervision lives in `tfscale.supervise`; this module builds
+the workers' environment and the command line.
 """
 
 from __future__ import annotations
@@ -23,26 +24,17 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-from typing import IO, Sequence
+from typing import Sequence
 
 from tfscale.config import HOROVOD_INSTALL_HINT
+from tfscale.supervise import SignalRecorder, run_workers, say
 
 LOOPBACK = "127.0.0.1"
 BACKENDS = ("mwms", "horovod")
 HOROVOD_MISSING = f"backend horovod needs Horovod: {HOROVOD_INSTALL_HINT}"
 USAGE_EXIT_CODE = 2  # argparse's convention for usage errors
-POLL_INTERVAL_S = 0.05  # how often the supervisor checks its workers; sets the reaction latency
-PUMP_JOIN_TIMEOUT_S = 5.0  # how long to wait for the last output lines once every worker is gone
-
-# One lock for every line the launcher writes, so a line never interleaves with another, even when
-# stdout and stderr are the same terminal or file.
-_OUTPUT_LOCK = threading.Lock()
 
 
 class LaunchError(RuntimeError):
@@ -188,177 +180,7 @@ class _HorovodRendezvous:
 
 
 # ----------------------------------------------------------------------------------------------
-# Output
-
-
-def _say(message: str) -> None:
-    """One launcher line on stderr, never interleaved with worker lines."""
-    _write_line(sys.stderr, f"tfscale.launch: {message}\n")
-
-
-def _write_line(stream: IO[str], line: str) -> None:
-    with _OUTPUT_LOCK:
-        try:
-            try:
-                stream.write(line)
-            except UnicodeEncodeError:  # a worker printed something the launcher's stream cannot encode
-                encoding = getattr(stream, "encoding", None) or "ascii"
-                stream.write(line.encode(encoding, errors="backslashreplace").decode(encoding))
-            stream.flush()
-        except (OSError, ValueError):
-            # The launcher's output is gone (closed pipe, `| head`). Drop the line but keep draining:
-            # a worker blocked on a full pipe would hang the whole job.
-            pass
-
-
-def _pump_lines(pipe: IO[bytes], stream: IO[str], prefix: str) -> None:
-    """Copies `pipe` to `stream` line by line with `prefix`; returns at end of file."""
-    with pipe:
-        for raw in iter(pipe.readline, b""):
-            text = raw.decode("utf-8", errors="replace")
-            if not text.endswith("\n"):  # last line without newline: keep the next prefix on its own line
-                text += "\n"
-            _write_line(stream, prefix + text)
-
-
-def _start_pumps(proc: subprocess.Popen, rank: int, out: IO[str], err: IO[str]) -> list[threading.Thread]:
-    pumps = []
-    for pipe, stream, name in ((proc.stdout, out, "stdout"), (proc.stderr, err, "stderr")):
-        # Daemon: a grandchild that escaped the kill could hold the pipe open forever.
-        thread = threading.Thread(
-            target=_pump_lines, args=(pipe, stream, f"[rank {rank}] "), name=f"rank{rank}-{name}", daemon=True
-        )
-        thread.start()
-        pumps.append(thread)
-    return pumps
-
-
-# ----------------------------------------------------------------------------------------------
-# Processes
-
-
-def exit_code(returncode: int) -> int:
-    """Shell convention: a process killed by signal S (Popen returncode -S) exits with 128 + S."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _describe_code(code: int) -> str:
-    if code > 128:
-        try:
-            return f"code {code} (killed by {signal.Signals(code - 128).name})"
-        except ValueError:
-            pass
-    return f"code {code}"
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Sends `sig` to the worker's whole process group, so its own subprocesses get it too."""
-    try:
-        os.killpg(proc.pid, sig)  # start_new_session=True: the worker leads a group with its pid
-    except (ProcessLookupError, PermissionError):  # the whole group is gone already
-        pass
-
-
-def _running(procs: Sequence[subprocess.Popen]) -> list[subprocess.Popen]:
-    return [proc for proc in procs if proc.poll() is None]
-
-
-def _spawn(rank: int, argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *argv],
-        env=env,
-        stdin=subprocess.DEVNULL,  # N workers must not compete for the terminal
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        # Own session = own process group: the launcher can kill a worker with its grandchildren,
-        # and a terminal Ctrl-C reaches the workers once, through the launcher, not twice.
-        start_new_session=True,
-    )
-
-
-class _SignalRecorder:
-    """Records SIGINT/SIGTERM for the supervise loop instead of dying, while installed."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.received: list[int] = []
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "_SignalRecorder":
-        # Handlers can only be installed from the main thread; elsewhere the caller owns signals.
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._record)
-        return self
-
-    def _record(self, signum: int, frame) -> None:
-        self.received.append(signum)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            # None: the previous handler was installed from C and cannot be restored from Python.
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-
-
-def _supervise(procs: Sequence[subprocess.Popen], grace_period_s: float, signals: _SignalRecorder) -> int:
-    """Waits for all workers; stops the job on a forwarded signal or the first failure.
-
-    Returns the first non-zero worker exit code (0 when every worker exited 0).
-    """
-    first_failure: int | None = None
-    exited: set[int] = set()
-    forwarded = 0
-    kill_deadline_s: float | None = None  # monotonic time at which stragglers get SIGKILL
-
-    def stop_after_grace() -> None:
-        nonlocal kill_deadline_s
-        if kill_deadline_s is None:
-            kill_deadline_s = time.monotonic() + grace_period_s
-
-    while len(exited) < len(procs):
-        while forwarded < len(signals.received):
-            sig = signals.received[forwarded]
-            forwarded += 1
-            running = _running(procs)
-            _say(f"received {signal.Signals(sig).name}; forwarding it to {len(running)} worker(s)")
-            for proc in running:
-                _signal_group(proc, sig)
-            stop_after_grace()
-
-        for rank, proc in enumerate(procs):
-            if rank in exited or proc.poll() is None:
-                continue
-            exited.add(rank)
-            code = exit_code(proc.returncode)
-            if code == 0 or first_failure is not None:
-                continue
-            first_failure = code
-            if kill_deadline_s is not None:  # already stopping: this code is simply the job's result
-                _say(f"rank {rank} exited with {_describe_code(code)}")
-                continue
-            others = _running(procs)
-            _say(f"rank {rank} exited with {_describe_code(code)}; stopping the other {len(others)} worker(s)")
-            for other in others:
-                _signal_group(other, signal.SIGTERM)
-            stop_after_grace()
-
-        if kill_deadline_s is not None and time.monotonic() >= kill_deadline_s:
-            for rank, proc in enumerate(procs):
-                if proc.poll() is None:
-                    _say(f"rank {rank} still running {grace_period_s:g} s after being stopped; sending SIGKILL")
-                    _signal_group(proc, signal.SIGKILL)
-            kill_deadline_s = float("inf")  # killed once; SIGKILL cannot be ignored, so just reap
-        time.sleep(POLL_INTERVAL_S)
-    return first_failure or 0
-
-
-def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGKILLs every worker's process group and reaps the workers: nothing outlives the launcher."""
-    for proc in procs:
-        _signal_group(proc, signal.SIGKILL)
-    for proc in procs:
-        proc.wait()
+# The job
 
 
 # Programs whose config has `distribute.backend`: the launcher sets it to match the environment it builds.
@@ -399,6 +221,32 @@ def launch(
     backend cannot start (e.g. horovod not installed); otherwise the exit code is 0 if every worker
     exited 0, else the first failing worker's code (128 + S for a worker killed by signal S).
     """
+    _check_launch_args(argv, num_workers, backend, threads_per_worker)
+    threads = threads_per_worker or default_threads_per_worker(num_workers)
+    argv = with_backend(argv, backend)
+    base_env = dict(os.environ if env is None else env)
+    # Resolved now, not at import: callers (and pytest's capture) may have replaced the streams.
+    out, err = sys.stdout, sys.stderr
+
+    rendezvous = _HorovodRendezvous(num_workers) if backend == "horovod" else None
+    # The recorder stays installed through the clean-up too: a SIGTERM arriving then must not kill
+    # the launcher before it has killed the workers.
+    with SignalRecorder() as signals:
+        try:
+            # Ports last, right before the workers start, to keep the window for port theft small.
+            endpoint = rendezvous.port if rendezvous else free_ports(num_workers)
+            say(f"starting {num_workers} worker(s), backend {backend}, {threads} thread(s) each: "
+                f"{shlex.join([sys.executable, *argv])}")
+            envs = [_child_env(base_env, worker_env(rank, num_workers, endpoint, backend, threads), backend)
+                    for rank in range(num_workers)]
+            return run_workers(argv, envs, grace_period_s, signals, out, err)
+        finally:
+            if rendezvous:
+                rendezvous.stop()
+
+
+def _check_launch_args(argv: list[str], num_workers: int, backend: str, threads_per_worker: int | None) -> None:
+    """Raises ValueError for `launch` arguments that cannot make a job."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if not argv:
@@ -407,34 +255,6 @@ def launch(
         raise ValueError(f"backend={backend!r} is not one of: {', '.join(BACKENDS)}")
     if threads_per_worker is not None and threads_per_worker < 1:
         raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
-    threads = threads_per_worker or default_threads_per_worker(num_workers)
-    argv = with_backend(argv, backend)
-    base_env = dict(os.environ if env is None else env)
-    # Resolved now, not at import: callers (and pytest's capture) may have replaced the streams.
-    out, err = sys.stdout, sys.stderr
-
-    rendezvous = _HorovodRendezvous(num_workers) if backend == "horovod" else None
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    # The recorder stays installed through the clean-up too: a SIGTERM arriving then must not kill
-    # the launcher before it has killed the workers.
-    with _SignalRecorder() as signals:
-        try:
-            # Ports last, right before the workers start, to keep the window for port theft small.
-            endpoint = rendezvous.port if rendezvous else free_ports(num_workers)
-            _say(f"starting {num_workers} worker(s), backend {backend}, {threads} thread(s) each: "
-                 f"{shlex.join([sys.executable, *argv])}")
-            for rank in range(num_workers):
-                overrides = worker_env(rank, num_workers, endpoint, backend, threads)
-                procs.append(_spawn(rank, argv, _child_env(base_env, overrides, backend)))
-                pumps.extend(_start_pumps(procs[-1], rank, out, err))
-            return _supervise(procs, grace_period_s, signals)
-        finally:
-            _kill_all(procs)  # also on exceptions (a failed spawn, KeyboardInterrupt outside the handler)
-            for pump in pumps:
-                pump.join(timeout=PUMP_JOIN_TIMEOUT_S)
-            if rendezvous:
-                rendezvous.stop()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -492,10 +312,10 @@ def main(argv: Sequence[str]) -> int:
             grace_period_s=args.grace_period_s,
         )
     except LaunchError as err:
-        _say(f"error: {err}")
+        say(f"error: {err}")
         return 1
     except ValueError as err:  # arguments that contradict each other; nothing was started
-        _say(f"error: {err}")
+        say(f"error: {err}")
         return 2
 
 

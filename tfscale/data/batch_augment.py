@@ -59,7 +59,7 @@ def _warn_slow_randaugment(keras_version: str, reason: str) -> None:
     logging.warning("RandAugment: Keras %s, falling back to keras.layers.RandAugment's own call, ~15x slower "
                     "(~45 ms instead of ~3 ms of CPU per 224x224 image): the fast path is off because %s. "
                     "Check the fast path on this version (tests/test_preprocess.py), then extend "
-                    "tfscale.data.preprocess._RANDAUGMENT_VERIFIED_KERAS.",
+                    "tfscale.data.batch_augment._RANDAUGMENT_VERIFIED_KERAS.",
                     keras_version, reason)
 
 
@@ -124,6 +124,16 @@ def batch_augmenter(name: str, *, num_classes: int, **options):
     """
     if not name or name == "none":
         return None
+    opts = _batch_options(name, options)
+    if name == "randaugment":
+        return _randaugment(opts)
+    if name == "mixup":
+        return _mixup(opts, num_classes)
+    return _cutmix(opts, num_classes)
+
+
+def _batch_options(name: str, options: dict) -> dict:
+    """`options` over the defaults, after checking `name` and every option; raises ValueError."""
     if name not in BATCH_AUGMENTS:
         raise ValueError(f"batch augment {name!r} is not one of {BATCH_AUGMENTS}")
     unknown = sorted(set(options) - set(_BATCH_OPTIONS))
@@ -132,30 +142,52 @@ def batch_augmenter(name: str, *, num_classes: int, **options):
     opts = {**_BATCH_OPTIONS, **options}
     if opts["randaugment_impl"] not in _RANDAUGMENT_IMPLS:
         raise ValueError(f"randaugment_impl={opts['randaugment_impl']!r} is not one of {_RANDAUGMENT_IMPLS}")
-    import keras  # deferred: parsing and per-example preprocessing do not need Keras
+    return opts
+
+
+# The augmenters build their layers on the host CPU and import Keras only when called: parsing and
+# per-example preprocessing do not need Keras.
+
+
+def _randaugment(opts: dict):
+    """(images, labels) -> (RandAugmented uint8 images, the same labels)."""
+    import keras
 
     with tf.device("/CPU:0"):
-        if name == "randaugment":
-            layer = keras.layers.RandAugment(
-                value_range=(0, 255), num_ops=int(opts["randaugment_ops"]),
-                factor=float(opts["randaugment_factor"]), seed=opts["seed"], dtype="float32",
-            )
-            layer.build((None, None, None, 3))
-        elif name == "mixup":
-            layer = keras.layers.MixUp(alpha=float(opts["mixup_alpha"]), seed=opts["seed"], dtype="float32")
-        else:
-            layer = keras.layers.CutMix(factor=float(opts["cutmix_factor"]), seed=opts["seed"], dtype="float32")
+        layer = keras.layers.RandAugment(
+            value_range=(0, 255), num_ops=int(opts["randaugment_ops"]),
+            factor=float(opts["randaugment_factor"]), seed=opts["seed"], dtype="float32",
+        )
+        layer.build((None, None, None, 3))
+    select = _randaugment_select(layer) if opts["randaugment_impl"] == "select" else None
+    apply = select or (lambda images: layer(images, training=True))
 
-    if name == "randaugment":
-        select = _randaugment_select(layer) if opts["randaugment_impl"] == "select" else None
-        apply = select or (lambda images: layer(images, training=True))
+    def randaugment(images, labels):
+        out = _to_uint8(apply(images))
+        out.set_shape(images.shape)
+        return out, labels
 
-        def randaugment(images, labels):
-            out = _to_uint8(apply(images))
-            out.set_shape(images.shape)
-            return out, labels
+    return randaugment
 
-        return randaugment
+
+def _mixup(opts: dict, num_classes: int):
+    import keras
+
+    with tf.device("/CPU:0"):
+        layer = keras.layers.MixUp(alpha=float(opts["mixup_alpha"]), seed=opts["seed"], dtype="float32")
+    return _mixing(layer, num_classes, "mixup")
+
+
+def _cutmix(opts: dict, num_classes: int):
+    import keras
+
+    with tf.device("/CPU:0"):
+        layer = keras.layers.CutMix(factor=float(opts["cutmix_factor"]), seed=opts["seed"], dtype="float32")
+    return _mixing(layer, num_classes, "cutmix")
+
+
+def _mixing(layer, num_classes: int, name: str):
+    """(images, labels) -> (mixed uint8 images, float32 soft labels) through a MixUp/CutMix `layer`."""
 
     def mix(images, labels):
         if labels.dtype.is_floating:
