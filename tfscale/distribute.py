@@ -30,6 +30,7 @@ missing ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -294,7 +295,6 @@ _COORDINATION_CONFIG_MODULES = (
     "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2",
     "tensorflow.tsl.protobuf.coordination_config_pb2",
 )
-_warned_default_heartbeat = False
 
 
 def _coordination_service_api() -> tuple[Callable[..., None], type]:
@@ -331,19 +331,17 @@ def _configure_coordination_service(tf_config: dict, heartbeat_timeout_s: float)
         )
         return True
     except (LookupError, TypeError) as err:  # TypeError: another signature, or another protobuf class than context's
-        _warn_default_heartbeat(err)
+        _warn_default_heartbeat(str(err))
         return False
 
 
-def _warn_default_heartbeat(reason: Exception) -> None:
-    global _warned_default_heartbeat
-    if not _warned_default_heartbeat:
-        _warned_default_heartbeat = True
-        logging.warning(
-            "TensorFlow %s does not offer the private coordination-service API tfscale sets the heartbeat "
-            "timeout with (%s): dead-worker detection uses TensorFlow's default heartbeat timeout "
-            "(distribute.heartbeat_timeout_s is not applied)", tf.__version__, reason,
-        )
+@functools.lru_cache(maxsize=None)  # once per process (and reason): every MWMS setup would repeat it
+def _warn_default_heartbeat(reason: str) -> None:
+    logging.warning(
+        "TensorFlow %s does not offer the private coordination-service API tfscale sets the heartbeat "
+        "timeout with (%s): dead-worker detection uses TensorFlow's default heartbeat timeout "
+        "(distribute.heartbeat_timeout_s is not applied)", tf.__version__, reason,
+    )
 
 
 def _communication_options(dist_cfg: ml_collections.ConfigDict) -> tf.distribute.experimental.CommunicationOptions:

@@ -11,6 +11,7 @@ input files, labels and options) is the one planned; shards of unknown origin ar
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -27,9 +28,6 @@ from tfscale.data.encode import JPEG_QUALITY, encode_image, example_bytes
 from tfscale.data.sources import LABEL_OFFSET, Item
 
 _STATE_FORMAT = ".{split}-convert-state.json"  # shard fingerprints while a conversion is under way
-# Temporaries of shards, the state file and (legacy or current) manifests: ".<final name>.tmp-<pid>".
-_TEMP_NAME = re.compile(r"^\.(?:(?P<split>[^/]+?)-(?:\d{5,}-of-\d{5,}|manifest\.json|convert-state\.json)"
-                        r"|manifest-(?P<manifest_split>[^/]+)\.json)\.tmp-\d+$")
 
 
 # -------------------------------------------------------------------------------------------- plan
@@ -156,12 +154,12 @@ def write_shards(output_dir: str, split: str, planned: list[list[Item]], file_st
 
 def remove_temp_files(output_dir: str, split: str) -> list[str]:
     """Deletes temporaries a killed conversion of `split` left behind (only our own names)."""
-    removed = []
-    for name in sorted(os.listdir(output_dir)):
-        match = _TEMP_NAME.match(name)
-        if match and split in (match.group("split"), match.group("manifest_split")):
-            tfio.remove_quietly(os.path.join(output_dir, name))
-            removed.append(name)
+    split_glob = glob.escape(split)
+    finals = (f"{split_glob}-[0-9]*-of-[0-9]*", tfio.MANIFEST_FORMAT.format(split=split_glob),
+              tfio.LEGACY_MANIFEST_FORMAT.format(split=split_glob), _STATE_FORMAT.format(split=split_glob))
+    removed = sorted(os.path.basename(path) for final in finals for path in tfio.temp_files(output_dir, final))
+    for name in removed:
+        tfio.remove_quietly(os.path.join(output_dir, name))
     if removed:
         logging.info("removed %d temporary files of an interrupted conversion: %s", len(removed), ", ".join(removed))
     return removed
