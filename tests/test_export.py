@@ -57,6 +57,7 @@ print(json.dumps({
     "top1_class_names_agree": all(c[0].decode() == list(class_ids)[i] for c, i in zip(top5_classes, predicted)),
     "probability_sums": [float(probabilities.sum(axis=1).min()), float(probabilities.sum(axis=1).max())],
     "keras_max_abs_diff": float(np.abs(keras_probabilities - probabilities[:8]).max()),
+    "keras_argmax_agrees": bool((np.argmax(keras_probabilities, axis=1) == predicted[:8]).all()),
     "keras_layer_classes": sorted({type(layer).__module__.split(".")[0] for layer in model.layers}),
     "tfscale_imported": "tfscale" in sys.modules,
 }))
@@ -185,7 +186,10 @@ def test_served_outputs_are_float32_probabilities_with_named_top5(digits_export)
 def test_keras_model_loads_without_tfscale_and_agrees_with_the_savedmodel(digits_export):
     served = digits_export["served"]
     assert served["keras_layer_classes"] == ["keras"]  # core layers only
-    assert served["keras_max_abs_diff"] < 1e-6
+    # The SavedModel ran batches of 64 and model.keras a batch of 8: oneDNN picks kernels by batch size, so
+    # float32 sums differ in their last bits (runs here: 0 to 1.2e-6); a wrong export differs by ~0.1.
+    assert served["keras_max_abs_diff"] < 1e-5
+    assert served["keras_argmax_agrees"]
 
 
 @pytest.mark.slow
