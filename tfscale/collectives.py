@@ -32,6 +32,9 @@ class Collectives(abc.ABC):
     def standalone_gradient_all_reduce(self, grads: list[tf.Tensor]) -> list[tf.Tensor]: ...
 
     @abc.abstractmethod
+    def agree_on_finite(self, grads: list[tf.Tensor]) -> list[tf.Tensor]: ...
+
+    @abc.abstractmethod
     def mean_over_replicas(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
         """Replica-context mean of each tensor."""
 
@@ -63,6 +66,19 @@ class StrategyCollectives(Collectives):
 
     def standalone_gradient_all_reduce(self, grads):
         return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+
+    def agree_on_finite(self, grads):
+        # Keras' LossScaleOptimizer checks each replica's own gradients before its all-reduce (MWMS:
+        # every replica decides alone; mirrored: replica 0 decides for all). Summing the replicas'
+        # non-finite flags makes one decision; poisoning every replica's gradients when any replica
+        # overflowed makes each local check give that decision, so all skip and halve the scale together.
+        present = [g for g in grads if g is not None]
+        locally_finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in present])
+        non_finite = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(locally_finite), tf.float32))
+        all_finite = tf.equal(non_finite, 0.0)
+        # Selecting (not adding 0) keeps finite gradients bit-identical, the sign of zero included.
+        return [g if g is None else tf.where(all_finite, g, tf.constant(float("nan"), g.dtype)) for g in grads]
 
     def mean_over_replicas(self, values):
         return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, values)
@@ -108,6 +124,10 @@ class HorovodCollectives(Collectives):
 
     def standalone_gradient_all_reduce(self, grads):
         return self.gradients_for_apply(grads)
+
+    def agree_on_finite(self, grads):
+        # `grads` are already the ranks' average (`gradients_for_apply`): every rank checks the same values.
+        return grads
 
     def mean_over_replicas(self, values):
         return self.hvd.grouped_allreduce(values, op=self.hvd.Average)

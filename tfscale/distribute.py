@@ -105,6 +105,15 @@ class Cluster:
         """
         return self._collectives.standalone_gradient_all_reduce(grads)
 
+    def agree_on_finite(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        """`grads`, made non-finite on every replica when any replica's are (call inside a replica step).
+
+        For float16 loss scaling: Keras checks gradients for inf/NaN replica by replica, so without
+        this one worker could skip a step while another applies it (and waits in its all-reduce).
+        tf.distribute: one extra scalar all-reduce; Horovod: `grads` unchanged (already averaged).
+        """
+        return self._collectives.agree_on_finite(grads)
+
     def average_replica_state(self, variables) -> None:
         """Averages non-trainable model state (BatchNorm moving statistics) over all replicas.
 
