@@ -12,7 +12,7 @@ EXTRAS := $(if $(TF_EXTRA),$(TF_EXTRA)$(comma))test
 
 HOROVOD_STAMP := $(VENV)/.installed-horovod
 
-.PHONY: venv horovod slurm demo test test-fast test-slow bench-input bench-fit bench-convert bench-scaling clean
+.PHONY: venv horovod slurm demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling clean
 
 venv: $(STAMP)
 
@@ -62,6 +62,10 @@ bench-fit: venv
 	$(PY) -m tfscale.benchmark --config=configs/cifar_resnet20.py --workdir=runs/bench_fit \
 	  --config.benchmark.mode=train --config.benchmark.compare_keras_fit=True --config.data.dataset=synthetic_learnable \
 	  --config.benchmark.num_batches=40 --config.benchmark.num_warmup_batches=5 --config.benchmark.rounds=5
+
+# 1 vs 10 training steps per host sync (train.steps_per_loop), CIFAR ResNet-8 at batch 32, one process.
+bench-loop: venv
+	$(PY) tools/bench_loop.py --model=cifar_resnet8 --batch=32 --steps=200 --rounds=3 --output=runs/bench_loop.json
 
 # Conversion tool with every core vs one process, on the same real-photo JPEG tree.
 bench-convert: venv

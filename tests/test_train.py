@@ -95,9 +95,13 @@ def test_lr_follows_warmup_then_cosine(smoke_run):
 
 
 def test_interrupted_run_resumes_exactly(smoke_run, tmp_path):
-    """Stopped at step 25, then rerun: same steps, same final weights and optimizer state."""
+    """Stopped at step 25, then rerun: same steps, same final weights and optimizer state.
+
+    A callback's stop takes effect at the end of a loop of steps: loops of 5 end at step 25. The rerun
+    uses the default loop length, which changes nothing in what is computed."""
     workdir = str(tmp_path)
-    first = train.train_and_evaluate(load_config("smoke"), workdir, extra_callbacks=[StopAtStep(25)])
+    first = train.train_and_evaluate(load_config("smoke", "--config.train.steps_per_loop=5"), workdir,
+                                     extra_callbacks=[StopAtStep(25)])
     assert first["steps"] == 25
     second = train.train_and_evaluate(load_config("smoke"), workdir)
     assert second["steps"] == 60

@@ -2,9 +2,11 @@
 
 The loop calls them with Keras' own conventions (`batch` is the index within the epoch) and puts the
 run's one step counter in the logs as `global_step`: the steps completed so far (at train begin and
-batch begin: before this batch; at batch end: including it). `CallbackList` turns every log value
-into a float, hence the `int(...)` where it is read. Decisions that only the chief may take
-(writing files, printing) are made here from `is_chief`, not scattered through the loop.
+batch begin: before this batch; at batch end: including it). Steps run several to a loop
+(`train.steps_per_loop`): a loop's first batch begin comes before it runs, the other batch calls
+after it, with each step's own loss. `CallbackList` turns every log value into a float, hence the
+`int(...)` where it is read. Decisions that only the chief may take (writing files, printing) are
+made here from `is_chief`, not scattered through the loop.
 """
 
 from __future__ import annotations
@@ -23,20 +25,30 @@ from tfscale import schedules
 
 
 class LearningRatePerStep(keras.callbacks.Callback):
-    """Sets the optimizer's LR before every batch to `schedule(global_step)`.
+    """The LR of every step is `schedule(global_step)`, set on device by the training loop.
 
-    The step comes from the loop's logs (`global_step`: steps completed before this batch), the
-    run's one checkpointed step counter, so a resumed run and every worker land on the same point of
-    the curve. Unlike `keras.callbacks.LearningRateScheduler` (a function of the epoch), this sets
-    the LR every step, as warmups and cosine decays need.
+    Steps run several to a `tf.function` (`train.steps_per_loop`), so the host cannot set the LR
+    between them. At train begin this callback tabulates `schedule` for every step of the run, in
+    float32 as assigning the Python float would round it, and the loop calls `device_schedule(step)`
+    before each update (`engine.make_train_loop`). The step is the run's one checkpointed counter,
+    so a resumed run and every worker land on the same point of the curve. Unlike
+    `keras.callbacks.LearningRateScheduler` (a function of the epoch), the LR changes every step, as
+    warmups and cosine decays need; callbacks that set the LR themselves (ReduceLROnPlateau) are
+    overridden at the next step: the schedule is config.schedule.
     """
 
-    def __init__(self, schedule: Callable[[int], float]):
+    def __init__(self, schedule: Callable[[int], float], total_steps: int):
         super().__init__()
         self.schedule = schedule
+        self.total_steps = total_steps
+        self._table = None
 
-    def on_train_batch_begin(self, batch, logs=None):
-        self.model.optimizer.learning_rate = self.schedule(int(logs["global_step"]))
+    def on_train_begin(self, logs=None):
+        self._table = tf.constant([self.schedule(step) for step in range(self.total_steps)], tf.float32)
+
+    def device_schedule(self, step: tf.Tensor) -> tf.Tensor:
+        """The LR of global step `step` (a tensor): a lookup in the table, valid inside a tf.function."""
+        return tf.gather(self._table, tf.minimum(step, self.total_steps - 1))
 
 
 class MetricsLogger(keras.callbacks.Callback):

@@ -2,9 +2,9 @@
 
 `Checkpoints` restores the workdir's latest checkpoint or initialises a fresh run, makes every worker
 start from the chief's state, saves periodically and on preemption, and counts global steps: the
-`step` variable it saves is the single step count of a run (the loop advances it; callbacks receive it
-as `logs["global_step"]`). `optimizer.iterations` is not used as a step count: it stops when float16
-loss scaling skips an update.
+`step` variable it saves is the single step count of a run (the train loop advances it on device;
+callbacks receive it as `logs["global_step"]`). `optimizer.iterations` is not used as a step count: it
+stops when float16 loss scaling skips an update.
 
 Where each worker writes: the chief to `workdir/checkpoints`. Under tf.distribute strategies saving is
 a collective, so the other workers must save at the same moment, into a scratch directory that is
@@ -62,10 +62,6 @@ class Checkpoints:
             init()
         self.cluster.broadcast_from_chief(self._state)
         return int(self.step.numpy())
-
-    def advance(self, global_step: int) -> None:
-        """Records that `global_step` steps are complete."""
-        self.step.assign(global_step)
 
     def save_if_due(self, global_step: int) -> None:
         """The periodic save, every `every_steps` global steps."""

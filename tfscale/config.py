@@ -130,6 +130,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.label_smoothing = 0.0  # 0.1 in the large-batch LARS recipes
     c.optim.lars_eta = 0.001  # LARS trust coefficient
     c.optim.lars_epsilon = 0.0  # LARS denominator epsilon
+    c.optim.grad_accum_steps = 1  # micro-batches per optimizer update (global batch stays data.global_batch_size)
+    c.optim.ema_decay = 0.0  # exponential moving average of the weights for eval/export (0: off; e.g. 0.9999)
 
     c.schedule = ml_collections.ConfigDict()
     c.schedule.warmup = "gradual"  # none | gradual | stepping | horovod (lr/size -> lr)
@@ -145,6 +147,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict()
     c.train.epochs = 90.0  # training length in epochs (may be fractional)
     c.train.log_every_steps = 100  # chief prints and appends to metrics.jsonl this often
+    c.train.steps_per_loop = 100  # steps inside one tf.function between host syncs (cut at log/eval/checkpoint steps)
     c.train.eval_every_epochs = 1.0  # evaluate this often (and always at the end)
     c.train.eval_steps = -1  # -1: the whole eval set once; >0: cap for quick checks
 
@@ -264,6 +267,16 @@ def _require_divisible(key: str, batch_size: int, num_replicas: int) -> None:
         )
 
 
+def _check_micro_batch(cfg: ml_collections.ConfigDict, num_replicas: int) -> None:
+    """Each replica's batch must split into `optim.grad_accum_steps` equal micro-batches."""
+    per_replica, micro_batches = cfg.data.global_batch_size // num_replicas, cfg.optim.grad_accum_steps
+    if per_replica % micro_batches:
+        raise ConfigError(
+            f"config.optim.grad_accum_steps={micro_batches} does not divide the per-replica batch {per_replica} "
+            f"(config.data.global_batch_size={cfg.data.global_batch_size} over {num_replicas} replicas)"
+        )
+
+
 def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) -> None:
     """Raises ValueError naming the offending key and value; returns None for a usable config.
 
@@ -286,8 +299,8 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
     _require_positive(cfg, (
         "data.image_size", "data.num_classes", "data.num_train_examples", "data.num_eval_examples",
         "data.global_batch_size", "data.shuffle_buffer", "data.interleave_cycle", "optim.lr",
-        "train.epochs", "train.log_every_steps", "train.eval_every_epochs",
-        "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
+        "train.epochs", "train.log_every_steps", "train.eval_every_epochs", "train.steps_per_loop",
+        "optim.grad_accum_steps", "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
         "distribute.connect_timeout_s", "distribute.heartbeat_timeout_s",
         "benchmark.num_batches", "benchmark.display_every", "benchmark.rounds", "benchmark.breakdown_batches",
     ))
@@ -315,10 +328,13 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
     eval_batch = eval_global_batch_size(cfg.data)
     if eval_batch <= 0:
         raise ConfigError(f"config.data.eval_global_batch_size must be > 0 or -1, got {eval_batch}")
+    if not 0.0 <= cfg.optim.ema_decay < 1.0:
+        raise ConfigError(f"config.optim.ema_decay must be in [0, 1) (0: off), got {cfg.optim.ema_decay}")
     if num_replicas is not None:
         _require_divisible("data.global_batch_size", cfg.data.global_batch_size, num_replicas)
+        _check_micro_batch(cfg, num_replicas)
         _require_divisible("data.eval_global_batch_size", eval_batch, num_replicas)
-        _check_per_replica_batch(cfg.data, num_replicas)
+        _check_per_replica_batch(cfg.data, num_replicas, cfg.optim.grad_accum_steps)
     try:
         schedules.check(cfg.schedule, total_epochs=cfg.train.epochs)
     except ValueError as err:
@@ -375,19 +391,20 @@ def _check_data_source(data_cfg: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_per_replica_batch(data_cfg: ml_collections.ConfigDict, num_replicas: int) -> None:
+def _check_per_replica_batch(data_cfg: ml_collections.ConfigDict, num_replicas: int, micro_batches: int) -> None:
     """A recipe run on fewer replicas than it was written for would put its whole batch on each."""
     limit = data_cfg.max_per_replica_batch_size
     per_replica = data_cfg.global_batch_size // num_replicas
-    if limit and per_replica > limit:
+    if limit and per_replica // micro_batches > limit:
         written_for = math.ceil(data_cfg.global_batch_size / limit)
         raise ConfigError(
-            f"this run has {num_replicas} replica(s), so each would take {per_replica} images per step "
-            f"(config.data.global_batch_size={data_cfg.global_batch_size} / {num_replicas}); the recipe was written "
-            f"for {written_for} replicas of config.data.max_per_replica_batch_size={limit}. Run it on "
-            f"{written_for} replicas, or scale it to this run with --config.data.global_batch_size="
-            f"{limit * num_replicas} (the LR follows linearly), or raise config.data.max_per_replica_batch_size "
-            "if your devices hold more"
+            f"this run has {num_replicas} replica(s), so each would take {per_replica // micro_batches} images at once "
+            f"(config.data.global_batch_size={data_cfg.global_batch_size} / {num_replicas} replicas / "
+            f"{micro_batches} micro-batches); the recipe was written for {written_for} replicas of "
+            f"config.data.max_per_replica_batch_size={limit}. Run it on {written_for} replicas, or keep its result "
+            f"with --config.optim.grad_accum_steps={math.ceil(per_replica / limit)} (gradient accumulation), or "
+            f"scale it to this run with --config.data.global_batch_size={limit * num_replicas} (the LR follows "
+            "linearly), or raise config.data.max_per_replica_batch_size if your devices hold more"
         )
 
 

@@ -11,6 +11,7 @@ three layers, each usable alone (the benchmark times the first without the rest)
   loss_and_grads(images, labels)       one replica's forward + backward (XLA-compiled with jit_compile)
   replica_step(images, labels, stop)   + gradient reduction, update, BatchNorm state averaging
   train_step(iterator, stop)           every replica's step, its loss summed over the whole job
+  train_loop(iterator, stop, n)        n train steps on device, the LR set per step (steps per loop)
 
 Only this module builds models, optimizers and steps from a config; `distribute.Cluster` supplies the
 collectives, so the code here has no branch per backend.
@@ -112,9 +113,16 @@ def cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
 
 
 def make_loss_and_grads(cfg, cluster, model, optimizer):
-    """`loss_and_grads(images, labels) -> (loss share, gradients)` of one replica: forward + backward only."""
+    """`loss_and_grads(images, labels) -> (loss share, gradients)` of one replica: forward + backward only.
+
+    With `optim.grad_accum_steps = k` the replica's batch is cut into k micro-batches whose gradients
+    are summed (`accumulate`); each micro-batch's loss is normalised by the global batch, so the sum is
+    the gradient of the global-batch mean exactly as with k = 1.
+    """
     global_batch_size = cfg.data.global_batch_size
-    weight_decay = optim.loss_weight_decay(cfg.optim)
+    micro_batches = cfg.optim.grad_accum_steps
+    # Weight decay belongs to the update, not to a micro-batch: each adds its k-th part.
+    weight_decay = optim.loss_weight_decay(cfg.optim) / micro_batches
     loss_batch_size = cluster.loss_batch_size(global_batch_size)
 
     def loss_and_grads(images, labels):
@@ -133,8 +141,33 @@ def make_loss_and_grads(cfg, cluster, model, optimizer):
     if cfg.jit_compile:
         # XLA compiles forward + backward only: the iterator and the cross-replica gradient
         # all-reduce inside apply_gradients cannot live in an XLA cluster.
-        return tf.function(loss_and_grads, jit_compile=True)
-    return loss_and_grads
+        loss_and_grads = tf.function(loss_and_grads, jit_compile=True)
+    return accumulate(loss_and_grads, micro_batches, model.trainable_variables)
+
+
+def accumulate(loss_and_grads, micro_batches: int, variables):
+    """`loss_and_grads` over `micro_batches` equal slices of the batch, loss shares and gradients summed.
+
+    The slices run one after another in a `tf.while_loop`, so activations of only one micro-batch are
+    alive at a time: that is the memory gradient accumulation saves. BatchNorm normalises each
+    micro-batch on its own and updates its moving statistics once per micro-batch.
+    """
+    if micro_batches == 1:
+        return loss_and_grads
+
+    def accumulated(images, labels):
+        image_slices = tf.reshape(images, [micro_batches, -1, *images.shape[1:]])
+        label_slices = tf.reshape(labels, [micro_batches, -1, *labels.shape[1:]])
+        # Sums start at zero rather than at slice 0's result, so the loop body is traced once.
+        loss_sum = tf.constant(0.0)
+        grad_sums = [tf.zeros(v.shape, v.dtype) for v in variables]
+        for i in tf.range(micro_batches):
+            loss_share, grads = loss_and_grads(image_slices[i], label_slices[i])
+            loss_sum += loss_share
+            grad_sums = [total + grad for total, grad in zip(grad_sums, grads)]
+        return loss_sum, grad_sums
+
+    return accumulated
 
 
 def make_replica_step(cfg, cluster, model, optimizer):
@@ -143,7 +176,11 @@ def make_replica_step(cfg, cluster, model, optimizer):
 
     def replica_step(images, labels, stop_requested):
         loss_share, grads = loss_and_grads(images, labels)
-        optimizer.apply_gradients(zip(cluster.gradients_for_apply(grads), model.trainable_variables))
+        grads = cluster.gradients_for_apply(grads)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            # Keras decides to skip a float16 step per replica, before the all-reduce: all must agree.
+            grads = cluster.agree_on_finite(grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
         if not cfg.model.sync_bn:  # synchronized BatchNorm computes identical statistics everywhere
             cluster.average_replica_state(model.non_trainable_variables)
         # The stop flag rides on the loss all-reduce: if any worker got SIGTERM, every worker
@@ -172,6 +209,33 @@ def make_train_step(cfg, cluster, model, optimizer):
         return run_replica_step(cluster, replica_step, *next(iterator), stop_requested)
 
     return train_step
+
+
+def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learning_rate=None):
+    """A compiled function running several global steps on device, with one host sync at the end.
+
+    `train_loop(iterator, stop_requested, num_steps) -> (losses, replicas stopping)`: `losses[i]` is
+    step i's mean loss over the global batch, as `make_train_step` returns it; the stop count is the
+    last step's. Before each step the optimizer's LR is set to `learning_rate(step)` (a tensor function
+    of the run's step counter, e.g. `callbacks.LearningRatePerStep.device_schedule`; None keeps the
+    LR), and after it `step` is advanced: the LR changes every step although the host sees only the
+    loop's end. This is Orbit's `steps_per_loop` / Keras' `steps_per_execution`.
+    """
+    replica_step = make_replica_step(cfg, cluster, model, optimizer)
+
+    @tf.function
+    def train_loop(iterator, stop_requested, num_steps):
+        losses = tf.TensorArray(tf.float32, size=num_steps)
+        stopping = tf.constant(0.0)
+        for i in tf.range(num_steps):
+            if learning_rate is not None:
+                optimizer.learning_rate.assign(learning_rate(step))
+            loss, stopping = tf.unstack(run_replica_step(cluster, replica_step, *next(iterator), stop_requested))
+            step.assign_add(1)
+            losses = losses.write(i, loss)
+        return losses.stack(), stopping
+
+    return train_loop
 
 
 # --- evaluation -------------------------------------------------------------------------------------

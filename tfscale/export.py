@@ -4,7 +4,10 @@ r"""Export a trained run for inference: a Keras model, a SavedModel serving enco
         [--checkpoint=runs/digits/checkpoints/ckpt-330]
 
 Rebuilds the model from `W/config.json`, restores the model weights of the latest checkpoint in
-`W/checkpoints` (or `--checkpoint`) and writes into the output directory (default `W/export`):
+`W/checkpoints` (or `--checkpoint`) and writes into the output directory (default `W/export`). A run
+trained with `optim.ema_decay` > 0 exports the exponential moving average of its weights (`tfscale.ema`:
+the averaged trainable variables, BatchNorm moving statistics as they are), the weights its
+`eval_*_ema` metrics were measured on; export.json's `weights` says which ("ema" or "raw"):
 
   model.keras    Keras 3 model: uint8 images [N, S, S, 3] (0-255 RGB, already preprocessed) -> float32
                  logits. Plain Keras: `keras.models.load_model` reads it without tfscale installed
@@ -16,8 +19,9 @@ Rebuilds the model from `W/config.json`, restores the model weights of the lates
                  (`data.preprocess.eval_preprocess` with the run's image size, augment and crop) runs
                  inside, so `tf.saved_model.load` alone serves it: no tfscale, no Python preprocessing.
   labels.txt     one class name per line, line i = class id i (when class names are known).
-  export.json    config, checkpoint and step, the run's eval metrics (summary.json), class names,
-                 preprocessing, versions, and the paths of the artefacts.
+  export.json    config, checkpoint and step, which weights ("ema" or "raw"), the run's eval metrics of
+                 those weights (summary.json), class names, preprocessing, versions, and the paths of
+                 the artefacts.
 
 Class names come from the conversion manifest of the training shards (`data.data_dir`); synthetic
 data or shards without a manifest export without them (export.json says why). The exported graph is
@@ -48,7 +52,7 @@ import tensorflow as tf
 from absl import flags, logging
 
 import tfscale
-from tfscale import cli, engine, init_from, io, models
+from tfscale import cli, ema, engine, init_from, io, models
 from tfscale.data import preprocess
 
 SIGNATURE = "serving_default"
@@ -82,14 +86,35 @@ def _inference_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     return cfg
 
 
+def weights_exported(cfg: ml_collections.ConfigDict) -> str:
+    """Which weights an export of the run holds: "ema" when it kept an EMA (`optim.ema_decay` > 0), else "raw"."""
+    return "ema" if float(cfg.optim.get("ema_decay", 0.0) or 0.0) > 0.0 else "raw"
+
+
+def _swap_in_ema(run: init_from.RestoredRun) -> None:
+    """Replaces the trainable variables of `run.model` by their EMA from the checkpoint's optimizer.
+
+    The optimizer is rebuilt as the run built it (LossScaleOptimizer and all, so its checkpoint entries
+    line up); every one of its variables, the averages among them, must be in the checkpoint.
+    """
+    optimizer = engine.build_optimizer(run.cfg, run.model)
+    status = tf.train.Checkpoint(optimizer=optimizer).restore(run.checkpoint)
+    status.assert_existing_objects_matched().expect_partial()
+    count = ema.copy_into(run.model, optimizer)
+    logging.info("exporting the EMA of the weights (optim.ema_decay=%g): %d variables", run.cfg.optim.ema_decay, count)
+
+
 def restore_for_inference(workdir: str, checkpoint: str | None = None) -> init_from.RestoredRun:
     """The run's model in float32, channels_last, with the checkpoint's weights; `cfg` is the run's own.
 
     The checkpoint is restored into the model as trained (a checkpoint addresses layers by their
-    position, which channels_first's extra transpose shifts), then copied by layer name.
+    position, which channels_first's extra transpose shifts), then copied by layer name. With
+    `optim.ema_decay` > 0 the weights are the EMA (`weights_exported`).
     """
     with engine.precision_policy("float32"):
         run = init_from.restore_run(workdir, engine.build_model, checkpoint)
+        if weights_exported(run.cfg) == "ema":
+            _swap_in_ema(run)
         model = engine.build_model(_inference_config(run.cfg))
         init_from.load_weights(model, init_from.model_weights(run.model), skip_head=False, where=run.checkpoint)
     return run._replace(model=model)
@@ -203,14 +228,21 @@ def write_saved_model(model: keras.Model, data_cfg: ml_collections.ConfigDict, n
 # --- export.json ------------------------------------------------------------------------------------
 
 
-def _run_metrics(workdir: str, step: int) -> dict | None:
-    """The run's final eval metrics from summary.json, or None when there is none."""
+def _run_metrics(workdir: str, step: int, weights: str = "raw") -> dict | None:
+    """The run's final eval metrics from summary.json, or None when there is none.
+
+    `weights="ema"`: the metrics of the EMA weights (summary.json's `eval_*_ema`), under the same keys.
+    """
     path = os.path.join(workdir, "summary.json")
     if not os.path.isfile(path):
         return None
     with open(path) as f:
         summary = json.load(f)
-    metrics = {key: summary[key] for key in ("eval_top1", "eval_top5", "eval_loss") if key in summary}
+    suffix = "_ema" if weights == "ema" else ""
+    metrics = {key: summary[key + suffix] for key in ("eval_top1", "eval_top5", "eval_loss") if key + suffix in summary}
+    if weights == "ema" and not metrics:
+        logging.warning("summary.json has no eval metrics of the EMA weights (eval_top1_ema ...); export.json "
+                        "records none")
     metrics["step"] = summary.get("steps")
     if metrics["step"] != step:
         logging.warning("summary.json's metrics are of step %s, the exported checkpoint is of step %d",
@@ -235,11 +267,13 @@ def export_info(run: init_from.RestoredRun, workdir: str, output_dir: str, names
     if names.names is not None:
         outputs["top5_classes"] = "string, class names of top5_ids (labels.txt)"
         outputs["top5_texts"] = "string, class descriptions of top5_ids"
+    weights = weights_exported(cfg)
     return {
         "workdir": os.path.abspath(workdir),
         "checkpoint": os.path.abspath(run.checkpoint),
         "step": run.step,
-        "eval_metrics": _run_metrics(workdir, run.step),
+        "weights": weights,
+        "eval_metrics": _run_metrics(workdir, run.step, weights),
         "num_classes": cfg.data.num_classes,
         "class_names": names.names,
         "class_texts": names.texts,
@@ -346,7 +380,8 @@ def _export_from_flags(f: flags.FlagValues) -> None:
     logs.configure()
     info = export(f.workdir, f.output_dir, f.checkpoint)
     print(json.dumps({"output_dir": os.path.dirname(info["artifacts"]["export_json"]), "step": info["step"],
-                      "eval_metrics": info["eval_metrics"], "class_names": info["class_names_source"]}))
+                      "weights": info["weights"], "eval_metrics": info["eval_metrics"],
+                      "class_names": info["class_names_source"]}))
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -192,11 +192,13 @@ def make_optimizer(optim_cfg, learning_rate: float) -> keras.optimizers.Optimize
     """
     name = _check_name(optim_cfg)
     learning_rate = float(learning_rate)  # Keras rejects ints and numpy scalars
+    ema = ema_kwargs(optim_cfg)
     if name == "sgd":
         return keras.optimizers.SGD(
             learning_rate=learning_rate,
             momentum=float(optim_cfg.momentum),
             nesterov=bool(optim_cfg.nesterov),
+            **ema,
         )
     return LARS(
         learning_rate=learning_rate,
@@ -205,7 +207,22 @@ def make_optimizer(optim_cfg, learning_rate: float) -> keras.optimizers.Optimize
         eta=float(optim_cfg.lars_eta),
         epsilon=float(optim_cfg.lars_epsilon),
         nesterov=bool(optim_cfg.nesterov),
+        **ema,
     )
+
+
+def ema_kwargs(optim_cfg) -> dict:
+    """Keras' own weight EMA from ``optim.ema_decay`` (0: off): ``use_ema``/``ema_momentum`` for the optimizer.
+
+    After every applied update Keras sets ``average = d * average + (1 - d) * w`` for each trainable
+    variable ``w`` (``average = w`` at the optimizer's first update), in the variable's dtype: float32,
+    also under mixed precision. The averages are optimizer variables, hence in every checkpoint.
+    ``ema_overwrite_frequency`` stays None: training always continues from the raw weights.
+    """
+    decay = float(optim_cfg.get("ema_decay", 0.0))
+    if not decay:
+        return {}
+    return {"use_ema": True, "ema_momentum": decay}
 
 
 def loss_weight_decay(optim_cfg) -> float:

@@ -28,7 +28,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import callbacks as tfs_callbacks
-from tfscale import checkpoints, engine, init_from, io, schedules
+from tfscale import checkpoints, ema, engine, init_from, io, schedules
 from tfscale import config as tfs_config
 from tfscale.data import pipeline
 
@@ -49,7 +49,8 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
     """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns the summary.
 
     `extra_callbacks`: more Keras callbacks, driven after tfscale's own (LR, logging, profiling).
-    Setting `model.stop_training` from one ends the run after the current step, checkpointed.
+    Setting `model.stop_training` from one ends the run at the end of the current loop of steps
+    (`train.steps_per_loop`), checkpointed.
     """
     run = engine.setup(cfg)
     os.makedirs(workdir, exist_ok=True)
@@ -81,10 +82,13 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
         workdir, is_chief=run.cluster.is_chief, global_batch_size=cfg.data.global_batch_size,
         steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps, log_every_steps=cfg.train.log_every_steps,
     )
-    callback_list = _callback_list(run, workdir, model, logger, extra_callbacks)
+    learning_rate = _learning_rate_callback(run)
+    callback_list = _callback_list(run, workdir, model, learning_rate, logger, extra_callbacks)
     run_eval = _evaluator(run, model, callback_list)
+    train_loop = engine.make_train_loop(cfg, run.cluster, model, optimizer, step=ckpts.step,
+                                        learning_rate=learning_rate.device_schedule)
     start_time = time.time()
-    eval_results = _train_loop(run, model, optimizer, ckpts, callback_list, run_eval, stop_requested, start_step)
+    eval_results = _train_loop(run, model, train_loop, ckpts, callback_list, run_eval, stop_requested, start_step)
     final_step = int(ckpts.step.numpy())
     ckpts.save(final_step)
     callback_list.on_train_end({"global_step": final_step})
@@ -98,81 +102,133 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     return summary
 
 
-def _callback_list(run: engine.Run, workdir: str, model, logger, extra_callbacks) -> keras.callbacks.CallbackList:
-    """The LR schedule first (the logger logs the LR it set), the logger, the profiler, then the user's."""
+def _learning_rate_callback(run: engine.Run) -> tfs_callbacks.LearningRatePerStep:
+    """config.schedule as the callback whose table the training loop reads on device."""
     cfg, steps = run.cfg, run.steps
     schedule = schedules.make_schedule(
         cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=steps.steps_per_epoch,
         total_steps=steps.train_steps, num_replicas=run.cluster.num_replicas,
     )
+    return tfs_callbacks.LearningRatePerStep(schedule, total_steps=steps.train_steps)
+
+
+def _callback_list(run: engine.Run, workdir: str, model, learning_rate, logger,
+                   extra_callbacks) -> keras.callbacks.CallbackList:
+    """The LR first (the logger logs the LR it set), the logger, the profiler, then the user's."""
+    cfg, steps = run.cfg, run.steps
     profiler = tfs_callbacks.profiler_callbacks(cfg.profile_steps, os.path.join(workdir, "tensorboard"),
                                                 is_chief=run.cluster.is_chief)
     return keras.callbacks.CallbackList(
-        [tfs_callbacks.LearningRatePerStep(schedule), logger, *profiler, *extra_callbacks], model=model,
+        [learning_rate, logger, *profiler, *extra_callbacks], model=model,
         epochs=math.ceil(steps.train_steps / steps.steps_per_epoch), steps=steps.steps_per_epoch,
     )
 
 
 def _evaluator(run: engine.Run, model, callback_list):
-    """`run_eval(step) -> eval metrics`: the whole eval set, logged and handed to the callbacks."""
+    """`run_eval(step) -> eval metrics`: the whole eval set, logged and handed to the callbacks.
+
+    With `optim.ema_decay` > 0 the eval set runs twice, on the raw weights and then on their EMA
+    (swapped in, BatchNorm statistics as they are, raw weights back afterwards); the EMA's metrics are
+    `eval_top1_ema`, `eval_top5_ema`, `eval_loss_ema` in the same row.
+    """
     eval_step = engine.make_eval_step(run.cfg, run.cluster, model)
     eval_ds = engine.eval_dataset(run)
     steps = run.steps
+    use_ema = ema.is_on(model.optimizer)  # engine.build_model_and_optimizer sets model.optimizer
+
+    def evaluate() -> dict:
+        try:
+            return engine.evaluate(eval_step, eval_ds, steps.eval_steps)
+        except tf.errors.DataLossError as err:
+            raise pipeline.explain_data_loss(err, run.cfg.data, run.data_dir, run.cfg.data.eval_split) from err
 
     def run_eval(step: int) -> dict:
         callback_list.on_test_begin()
-        try:
-            results = engine.evaluate(eval_step, eval_ds, steps.eval_steps)
-        except tf.errors.DataLossError as err:
-            raise pipeline.explain_data_loss(err, run.cfg.data, run.data_dir, run.cfg.data.eval_split) from err
-        logging.info("eval at step %d: top-1 %.4f  top-5 %.4f  loss %.4f  (%d examples)", step,
-                     results["eval_top1"], results["eval_top5"], results["eval_loss"], results["eval_examples"])
+        results = evaluate()
+        if use_ema:
+            with ema.swapped_in(model, model.optimizer):
+                averaged = evaluate()
+            results.update({f"{key}_ema": averaged[key] for key in ("eval_top1", "eval_top5", "eval_loss")})
+            logging.info("eval at step %d: top-1 %.4f  top-5 %.4f  loss %.4f  EMA weights: top-1 %.4f  top-5 %.4f  "
+                         "loss %.4f  (%d examples)", step, results["eval_top1"], results["eval_top5"],
+                         results["eval_loss"], results["eval_top1_ema"], results["eval_top5_ema"],
+                         results["eval_loss_ema"], results["eval_examples"])
+        else:
+            logging.info("eval at step %d: top-1 %.4f  top-5 %.4f  loss %.4f  (%d examples)", step,
+                         results["eval_top1"], results["eval_top5"], results["eval_loss"], results["eval_examples"])
         callback_list.on_test_end({"step": step, "epoch": round(step / steps.steps_per_epoch, 4), **results})
         return results
 
     return run_eval
 
 
-def _train_loop(run, model, optimizer, ckpts, callback_list, run_eval, stop_requested, start_step: int) -> dict:
-    """Steps from `start_step` to the end (or a callback's stop); returns the last eval's metrics, if any.
+def _train_loop(run, model, train_loop, ckpts, callback_list, run_eval, stop_requested, start_step: int) -> dict:
+    """Loops of steps from `start_step` to the end (or a callback's stop); returns the last eval's metrics.
 
-    Callbacks see Keras' conventions (epoch, batch within it) plus `global_step`, the run's one
-    step counter, which `ckpts` holds and saves.
+    Each loop runs on device up to the next step where the host must act (`_loop_end`), then the
+    callbacks see every step of it with Keras' conventions (epoch, batch within it) plus
+    `global_step`, the run's one step counter, which `ckpts` holds and saves: the same step numbers
+    and losses as with one step per loop. A loop's first `on_train_batch_begin` comes before it runs
+    (the profiler starts there); the others, like every `on_train_batch_end`, after.
     """
     steps = run.steps
-    train_step = engine.make_train_step(run.cfg, run.cluster, model, optimizer)
     iterator = iter(engine.train_dataset(run, start_step))
     eval_results = {}
     callback_list.on_train_begin({"global_step": start_step})
-    for step in range(start_step, steps.train_steps):
-        epoch, batch = divmod(step, steps.steps_per_epoch)
-        if batch == 0:
+    step = start_step
+    while step < steps.train_steps:
+        epoch, first_batch = divmod(step, steps.steps_per_epoch)
+        if first_batch == 0:
             callback_list.on_epoch_begin(epoch)
-        callback_list.on_train_batch_begin(batch, {"global_step": step})
-        loss, workers_stopping = _run_step(run, train_step, iterator, stop_requested)
-        _check_finite(loss, step + 1)
-        ckpts.advance(step + 1)
-        callback_list.on_train_batch_end(batch, {"loss": loss, "global_step": step + 1})
+        callback_list.on_train_batch_begin(first_batch, {"global_step": step})
+        loop_end = _loop_end(run, step)
+        losses, workers_stopping = _run_loop(run, train_loop, iterator, stop_requested, loop_end - step)
+        _replay_batches(callback_list, step, first_batch, losses)
+        step = loop_end
         if workers_stopping:  # every worker learns it at the same step: they save together
-            ckpts.save(step + 1)
+            ckpts.save(step)
             ckpts.close()
-            raise Preempted(step + 1)
-        ckpts.save_if_due(step + 1)
-        if (step + 1) % steps.eval_every_steps == 0 or step + 1 == steps.train_steps:
-            eval_results = run_eval(step + 1)
-        if batch == steps.steps_per_epoch - 1:
-            callback_list.on_epoch_end(epoch, {"loss": loss})
+            raise Preempted(step)
+        ckpts.save_if_due(step)
+        if step % steps.eval_every_steps == 0 or step == steps.train_steps:
+            eval_results = run_eval(step)
+        if step % steps.steps_per_epoch == 0:
+            callback_list.on_epoch_end(epoch, {"loss": losses[-1]})
         if model.stop_training:  # set by standard callbacks such as EarlyStopping/TerminateOnNaN
             break
     return eval_results
 
 
-def _run_step(run: engine.Run, train_step, iterator, stop_requested: threading.Event) -> list[float]:
-    """One global step; [mean loss, replicas stopping] on the host. A corrupt shard is named."""
+def _loop_end(run: engine.Run, step: int) -> int:
+    """Where the loop starting at `step` ends: after `train.steps_per_loop` steps, or earlier at the
+    next step where the host acts (a log row, eval, checkpoint, epoch end, profiler window edge)."""
+    cfg, steps = run.cfg, run.steps
+    periods = (cfg.train.steps_per_loop, cfg.train.log_every_steps, steps.eval_every_steps,
+               steps.checkpoint_every_steps, steps.steps_per_epoch)
+    boundaries = [(step // period + 1) * period for period in periods]
+    window = tfs_config.profile_window(cfg.profile_steps)  # 1-based steps: the trace starts before `first`
+    if window is not None:
+        boundaries += [edge for edge in (window[0] - 1, window[1]) if edge > step]
+    return min(*boundaries, steps.train_steps)
+
+
+def _run_loop(run: engine.Run, train_loop, iterator, stop_requested: threading.Event, num_steps: int):
+    """`num_steps` global steps on device; ([mean loss per step], replicas stopping) on the host."""
     try:
-        return train_step(iterator, tf.constant(float(stop_requested.is_set()))).numpy().tolist()
+        losses, workers_stopping = train_loop(iterator, tf.constant(float(stop_requested.is_set())),
+                                              tf.constant(num_steps))
     except tf.errors.DataLossError as err:
         raise pipeline.explain_data_loss(err, run.cfg.data, run.data_dir, run.cfg.data.train_split) from err
+    return losses.numpy().tolist(), float(workers_stopping.numpy())
+
+
+def _replay_batches(callback_list, first_step: int, first_batch: int, losses: list[float]) -> None:
+    """Batch callbacks for each step of a finished loop; stops at the first non-finite loss, naming it."""
+    for offset, loss in enumerate(losses):
+        if offset:
+            callback_list.on_train_batch_begin(first_batch + offset, {"global_step": first_step + offset})
+        _check_finite(loss, first_step + offset + 1)
+        callback_list.on_train_batch_end(first_batch + offset, {"loss": loss, "global_step": first_step + offset + 1})
 
 
 def _check_finite(loss: float, step: int) -> None:
@@ -183,7 +239,7 @@ def _check_finite(loss: float, step: int) -> None:
 
 
 def _summary(run: engine.Run, final_step: int, wall_time_s: float, logger, eval_results: dict) -> dict:
-    return {
+    summary = {
         "steps": final_step,
         "wall_time_s": round(wall_time_s, 2),
         "images_per_sec": logger.steady_images_per_sec(),
@@ -194,6 +250,9 @@ def _summary(run: engine.Run, final_step: int, wall_time_s: float, logger, eval_
         "num_replicas": run.cluster.num_replicas,
         "global_batch_size": run.cfg.data.global_batch_size,
     }
+    # The EMA's figures only when optim.ema_decay > 0: a run without EMA keeps exactly the keys above.
+    summary.update({key: value for key, value in eval_results.items() if key.endswith("_ema")})
+    return summary
 
 
 def _watch_sigterm() -> tuple[threading.Event, callable]:

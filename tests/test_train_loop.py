@@ -1,0 +1,234 @@
+"""Steps per loop and gradient accumulation: the fast paths compute what the plain step computes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import REPO, load_config
+
+from tfscale import config as tfs_config
+from tfscale import distribute, engine, launch, train
+from tfscale.data import pipeline
+
+
+def read_rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_values(workdir):
+    reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
+    keys = [k for k in reader.get_variable_to_shape_map() if "OBJECT_GRAPH" not in k and "save_counter" not in k]
+    return {k: reader.get_tensor(k) for k in keys}
+
+
+class RecordSteps(keras.callbacks.Callback):
+    """What a user's callback sees: (global_step, loss) at every batch end, and the steps epochs end at."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_ends, self.epoch_ends = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batch_ends.append((batch, int(logs["global_step"]), logs["loss"]))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_ends.append(epoch)
+
+
+class StopAt(keras.callbacks.Callback):
+    """Stands in for an interruption: ends the run after `step` global steps (at that loop's end)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(logs["global_step"]) >= self.step:
+            self.model.stop_training = True
+
+
+@pytest.fixture(scope="module")
+def loop_runs(tmp_path_factory):
+    """The smoke recipe with 1 and with 10 steps per loop; logs every 20 steps, so loops of 10 never
+    end at a log row by accident of the log period."""
+    runs = {}
+    for steps_per_loop in (1, 10):
+        workdir = str(tmp_path_factory.mktemp(f"loop{steps_per_loop}"))
+        recorder = RecordSteps()
+        cfg = load_config("smoke", f"--config.train.steps_per_loop={steps_per_loop}", "--config.train.log_every_steps=20")
+        summary = train.train_and_evaluate(cfg, workdir, extra_callbacks=[recorder])
+        runs[steps_per_loop] = workdir, summary, recorder
+    return runs
+
+
+def test_steps_per_loop_10_is_bit_identical_to_1(loop_runs):
+    (one, one_summary, _), (ten, ten_summary, _) = loop_runs[1], loop_runs[10]
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "images_per_sec")} for r in rows]  # noqa: E731
+    assert strip(read_rows(ten)) == strip(read_rows(one))  # losses, LRs, eval metrics: exactly equal
+    ones, tens = checkpoint_values(one), checkpoint_values(ten)
+    assert ones.keys() == tens.keys()
+    for key in ones:
+        np.testing.assert_array_equal(tens[key], ones[key], err_msg=key)
+    assert ten_summary["eval_top1"] == one_summary["eval_top1"] and ten_summary["steps"] == 60
+
+
+def test_callbacks_see_every_step_with_its_own_loss(loop_runs):
+    (_, _, one), (_, _, ten) = loop_runs[1], loop_runs[10]
+    assert [s for _, s, _ in ten.batch_ends] == list(range(1, 61))
+    assert ten.batch_ends == one.batch_ends  # (batch in epoch, global step, loss) of every step
+    assert len({loss for _, _, loss in ten.batch_ends}) > 50  # the losses are each step's, not a loop's last
+    assert ten.epoch_ends == one.epoch_ends == [0, 1, 2]
+
+
+def test_learning_rate_changes_every_step_inside_a_loop(loop_runs):
+    # Warmup over the first 10 steps (0.5 epochs of 20 steps): lr(s) = 0.1 * s / 10. With loops of 10 steps
+    # the host sets nothing between steps 1..9; the updates still used 0.01, 0.02, ... (bit-identity above
+    # proves the weights saw them), and the row of step 20 logs lr(19) on the cosine.
+    rows = {r["step"]: r for r in read_rows(loop_runs[10][0]) if "lr" in r}
+    assert rows[20]["lr"] == pytest.approx(0.05 * (1 + np.cos(np.pi * 9 / 50)), rel=1e-6)
+
+
+def test_a_loop_ends_where_the_host_must_act():
+    cfg = load_config("smoke", "--config.train.steps_per_loop=100", "--config.train.log_every_steps=7",
+                      "--config.profile_steps=33,35")
+    run = engine.Run(cfg=cfg, cluster=None, steps=tfs_config.to_steps(cfg), data_dir="")
+    ends, step = [], 0
+    while step < run.steps.train_steps:
+        step = train._loop_end(run, step)
+        ends.append(step)
+    # log rows every 7, checkpoints and epochs every 20, eval every 30, the profiler window 33..35, the end 60
+    assert ends == [7, 14, 20, 21, 28, 30, 32, 35, 40, 42, 49, 56, 60]
+
+
+# --- gradient accumulation ------------------------------------------------------------------------
+
+
+def _frozen_bn_step_weights(cfg, batches):
+    """Weights after one update per batch, BatchNorm frozen (inference mode): no batch-size dependence."""
+    cluster = distribute.setup(cfg.distribute)
+    keras.utils.set_random_seed(cfg.seed)
+    with cluster.strategy.scope():
+        model = engine.build_model(cfg)
+        for layer in model.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.trainable = False
+        optimizer = engine.build_optimizer(cfg, model)
+    replica_step = engine.make_replica_step(cfg, cluster, model, optimizer)
+
+    @tf.function
+    def step(images, labels):
+        return engine.run_replica_step(cluster, replica_step, images, labels, tf.constant(0.0))
+
+    losses = [float(step(images, labels)[0]) for images, labels in batches]
+    return [v.numpy() for v in model.trainable_variables], losses
+
+
+def test_four_micro_batches_of_8_equal_one_batch_of_32():
+    base = load_config("smoke", "--config.optim.lr_per_256=2.0")  # large LR: differences would show
+    batches = list(pipeline.train_input_fn(base.data, seed=0, start_step=0)(tf.distribute.InputContext()).take(4))
+    reference_weights, reference_losses = _frozen_bn_step_weights(base, batches)
+    accumulated_weights, accumulated_losses = _frozen_bn_step_weights(
+        load_config("smoke", "--config.optim.lr_per_256=2.0", "--config.optim.grad_accum_steps=4"), batches)
+    initial_weights, _ = _frozen_bn_step_weights(base, [])
+    moved = max(np.abs(w - w0).max() for w, w0 in zip(reference_weights, initial_weights))
+    assert moved > 1e-2  # the updates were real
+    np.testing.assert_allclose(accumulated_losses, reference_losses, rtol=1e-6)
+    for ours, reference in zip(accumulated_weights, reference_weights):
+        np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+class CountingReductions:
+    """The cluster, counting on device how often the gradients are reduced (Horovod's all-reduce)."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        with cluster.strategy.scope():
+            self.reductions = tf.Variable(0)
+
+    def __getattr__(self, name):
+        return getattr(self.cluster, name)
+
+    def gradients_for_apply(self, grads):
+        self.reductions.assign_add(1)
+        return self.cluster.gradients_for_apply(grads)
+
+
+def test_accumulation_reduces_gradients_once_per_update():
+    cfg = load_config("smoke", "--config.optim.grad_accum_steps=4")
+    cluster = CountingReductions(distribute.setup(cfg.distribute))
+    with cluster.strategy.scope():
+        model = engine.build_model(cfg)
+        optimizer = engine.build_optimizer(cfg, model)
+    step = engine.make_train_step(cfg, cluster, model, optimizer)
+    iterator = iter(cluster.distribute_dataset(pipeline.train_input_fn(cfg.data, seed=0, start_step=0)))
+    for _ in range(3):
+        step(iterator, tf.constant(0.0))
+    assert int(cluster.reductions.numpy()) == 3 and int(optimizer.iterations.numpy()) == 3
+
+
+def test_micro_batch_must_divide_the_replica_batch():
+    cfg = load_config("smoke", "--config.optim.grad_accum_steps=3")
+    with pytest.raises(ValueError, match=r"optim.grad_accum_steps=3 does not divide the per-replica batch 32"):
+        tfs_config.validate(cfg, num_replicas=1)
+
+
+def test_the_32_gpu_recipe_runs_on_4_gpus_by_accumulating_8_micro_batches(tmp_path):
+    cfg = load_config("r50_32gpu", f"--config.data.data_dir={tmp_path}")
+    with pytest.raises(ValueError, match=r"--config.optim.grad_accum_steps=8 \(gradient accumulation\)"):
+        tfs_config.validate(cfg, num_replicas=4)
+    cfg = load_config("r50_32gpu", f"--config.data.data_dir={tmp_path}", "--config.optim.grad_accum_steps=8")
+    tfs_config.validate(cfg, num_replicas=4)  # 4 x 8 micro-batches of 128: the recipe's global batch 4096
+    assert cfg.optim.lr == 1.6 and tfs_config.to_steps(cfg).train_steps == 90 * (1_281_167 // 4096)
+
+
+@pytest.mark.slow
+def test_two_workers_accumulating_equal_one_worker_with_the_whole_batch(tmp_path):
+    """2 MWMS workers x 2 micro-batches of 8 == 1 worker x one batch of 32 (BatchNorm frozen)."""
+    from test_multiworker import DRIVER, SHORT, quiet_env, read_log, wait_all, weights
+
+    def command(output, workdir, *overrides):
+        return [sys.executable, DRIVER, str(tmp_path / output), "--freeze_bn", *SHORT, "--config.model.sync_bn=False",
+                f"--workdir={tmp_path / workdir}", *overrides]
+
+    reference = subprocess.run(command("one.npz", "one"), cwd=REPO, env=quiet_env(), capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    ports = launch.free_ports(2)
+    procs = [
+        subprocess.Popen(command(f"w{rank}.npz", "two", "--config.distribute.backend=mwms", "--config.optim.grad_accum_steps=2"),
+                         cwd=REPO, env=quiet_env(**launch.worker_env(rank, 2, ports, "mwms", 1)),
+                         stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT)
+        for rank in range(2)
+    ]
+    assert wait_all(procs) == [0, 0], read_log(tmp_path, 0)[-3000:] + read_log(tmp_path, 1)[-3000:]
+
+    rank0, rank1, one = (weights(tmp_path / name) for name in ("w0.npz", "w1.npz", "one.npz"))
+    for a, b in zip(rank0, rank1):
+        np.testing.assert_array_equal(a, b)  # the workers agree exactly
+    moved = max(np.abs(w - w0).max() for w, w0 in zip(one, weights(tmp_path / "one_init.npz")))
+    assert moved > 5e-3
+    for ours, reference_weights in zip(rank0, one):  # float sums in another order: round-off only
+        np.testing.assert_allclose(ours, reference_weights, rtol=1e-4, atol=1e-5)
+
+
+def test_accumulating_run_resumes_exactly(tmp_path):
+    """Stopped at step 25 and rerun, a run with 2 micro-batches ends where the uninterrupted one does."""
+    accumulate = ("--config.optim.grad_accum_steps=2", "--config.train.steps_per_loop=5")
+    whole = str(tmp_path / "whole")
+    train.train_and_evaluate(load_config("smoke", *accumulate), whole)
+    resumed = str(tmp_path / "resumed")
+    first = train.train_and_evaluate(load_config("smoke", *accumulate), resumed, extra_callbacks=[StopAt(25)])
+    assert first["steps"] == 25
+    assert train.train_and_evaluate(load_config("smoke", *accumulate), resumed)["steps"] == 60
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "images_per_sec")} for r in rows]  # noqa: E731
+    stop_eval = {"step": 25}  # the interrupted run evaluated where it stopped; the whole run did not
+    assert [r for r in strip(read_rows(resumed)) if not stop_eval.items() <= r.items()] == strip(read_rows(whole))
+    expected, actual = checkpoint_values(whole), checkpoint_values(resumed)
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
