@@ -1,5 +1,6 @@
-"""Shared test set-up: quiet TensorFlow, repo paths, config loading as the CLI does it."""
+"""Shared test set-up: quiet TensorFlow, repo paths, config loading as the CLI does it, workdir readers."""
 
+import json
 import os
 import sys
 
@@ -72,3 +73,40 @@ def classic_example(jpeg: bytes, height: int, width: int, label: int, synset: st
         "image/encoded": byte(jpeg),
     }
     return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+
+
+def read_jsonl(path):
+    """The rows of a JSON-lines file (metrics.jsonl)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_values(workdir):
+    """{variable key: value} of the latest checkpoint in a workdir (model, optimizer slots, step)."""
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
+    keys = [k for k in reader.get_variable_to_shape_map() if "OBJECT_GRAPH" not in k and "save_counter" not in k]
+    return {k: reader.get_tensor(k) for k in keys}
+
+
+def stop_at_step(step):
+    """A Keras callback standing in for an interruption: ends the run after `step` global steps
+    (at the end of that loop of steps)."""
+    import keras
+
+    class StopAtStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(logs["global_step"]) >= step:
+                self.model.stop_training = True
+
+    return StopAtStep()
+
+
+def quiet_env(**extra):
+    """The environment for a worker subprocess: quiet, one thread each, no inherited TF_CONFIG."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
+           "TF_NUM_INTEROP_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TF_CONFIG", None)
+    env.update(extra)
+    return env

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import REPO, load_config
+from conftest import REPO, checkpoint_values, load_config, read_jsonl
 
 from tfscale import ema, engine, export, init_from, optim, train
 
@@ -25,17 +25,6 @@ def tiny_config(*overrides):
     return load_config("smoke", *TINY, *overrides)
 
 
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def checkpoint_values(workdir):
-    reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
-    keys = [k for k in reader.get_variable_to_shape_map() if "OBJECT_GRAPH" not in k and "save_counter" not in k]
-    return {k: reader.get_tensor(k) for k in keys}
-
-
 class RecordTrajectory(keras.callbacks.Callback):
     """The trainable weights and the optimizer's EMA after every step; the model and optimizer at the end."""
 
@@ -44,7 +33,6 @@ class RecordTrajectory(keras.callbacks.Callback):
         self.weights, self.averages, self.steps = [], [], []
 
     def on_train_batch_end(self, batch, logs=None):
-        assert logs["loop_end"]  # one step per loop: the weights read here are this step's
         self.steps.append(int(logs["global_step"]))
         self.weights.append([v.numpy().copy() for v in self.model.trainable_variables])
         averages = ema.ema_variables(self.model.optimizer)

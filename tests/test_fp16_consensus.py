@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, quiet_env
 
 from tfscale import launch
 
@@ -177,14 +177,6 @@ def run_mwms() -> dict:
 
 
 # --- the tests ---------------------------------------------------------------------------------------
-
-
-def quiet_env(**extra):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
-           "TF_NUM_INTEROP_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("TF_CONFIG", None)
-    env.update(extra)
-    return env
 
 
 def start_driver(scenario, out, log, **env_extra):

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, quiet_env
 
 from tfscale import distribute, launch
 
@@ -22,14 +22,6 @@ DRIVER = os.path.join(REPO, "tests", "helpers", "train_and_dump.py")
 SHORT = ["--config=configs/smoke.py", "--config.train.epochs=0.5", "--config.schedule.warmup_epochs=0.25",
          "--config.model.sync_bn=True", "--config.model.zero_init_residual=False",
          "--config.train.log_every_steps=5"]
-
-
-def quiet_env(**extra):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",
-           "TF_NUM_INTEROP_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("TF_CONFIG", None)
-    env.update(extra)
-    return env
 
 
 def start_workers(args, num_workers, log_dir, backend="mwms", endpoint=None, **env_extra):

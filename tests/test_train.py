@@ -5,37 +5,11 @@ import os
 import re
 import time
 
-import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from conftest import load_config, run_cli
+from conftest import checkpoint_values, load_config, read_jsonl, run_cli, stop_at_step
 
 from tfscale import train
-
-
-class StopAtStep(keras.callbacks.Callback):
-    """Stands in for an interruption: ends the run after `step` global steps."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(logs["global_step"]) >= self.step:
-            self.model.stop_training = True
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def checkpoint_values(workdir):
-    """{variable key: value} of the latest checkpoint in a workdir (model, optimizer slots, step)."""
-    reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
-    keys = [k for k in reader.get_variable_to_shape_map() if "OBJECT_GRAPH" not in k and "save_counter" not in k]
-    return {k: reader.get_tensor(k) for k in keys}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +75,7 @@ def test_interrupted_run_resumes_exactly(smoke_run, tmp_path):
     uses the default loop length, which changes nothing in what is computed."""
     workdir = str(tmp_path)
     first = train.train_and_evaluate(load_config("smoke", "--config.train.steps_per_loop=5"), workdir,
-                                     extra_callbacks=[StopAtStep(25)])
+                                     extra_callbacks=[stop_at_step(25)])
     assert first["steps"] == 25
     second = train.train_and_evaluate(load_config("smoke"), workdir)
     assert second["steps"] == 60

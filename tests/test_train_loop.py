@@ -1,6 +1,5 @@
 """Steps per loop and gradient accumulation: the fast paths compute what the plain step computes."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,22 +8,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import REPO, load_config
+from conftest import REPO, checkpoint_values, load_config, read_jsonl, stop_at_step
 
 from tfscale import config as tfs_config
 from tfscale import distribute, engine, launch, train
 from tfscale.data import pipeline
-
-
-def read_rows(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def checkpoint_values(workdir):
-    reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
-    keys = [k for k in reader.get_variable_to_shape_map() if "OBJECT_GRAPH" not in k and "save_counter" not in k]
-    return {k: reader.get_tensor(k) for k in keys}
 
 
 class RecordSteps(keras.callbacks.Callback):
@@ -39,18 +27,6 @@ class RecordSteps(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch_ends.append(epoch)
-
-
-class StopAt(keras.callbacks.Callback):
-    """Stands in for an interruption: ends the run after `step` global steps (at that loop's end)."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(logs["global_step"]) >= self.step:
-            self.model.stop_training = True
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +46,7 @@ def loop_runs(tmp_path_factory):
 def test_steps_per_loop_10_is_bit_identical_to_1(loop_runs):
     (one, one_summary, _), (ten, ten_summary, _) = loop_runs[1], loop_runs[10]
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "images_per_sec")} for r in rows]  # noqa: E731
-    assert strip(read_rows(ten)) == strip(read_rows(one))  # losses, LRs, eval metrics: exactly equal
+    assert strip(read_jsonl(os.path.join(ten, "metrics.jsonl"))) == strip(read_jsonl(os.path.join(one, "metrics.jsonl")))  # losses, LRs, eval metrics: exactly equal
     ones, tens = checkpoint_values(one), checkpoint_values(ten)
     assert ones.keys() == tens.keys()
     for key in ones:
@@ -90,7 +66,7 @@ def test_learning_rate_changes_every_step_inside_a_loop(loop_runs):
     # Warmup over the first 10 steps (0.5 epochs of 20 steps): lr(s) = 0.1 * s / 10. With loops of 10 steps
     # the host sets nothing between steps 1..9; the updates still used 0.01, 0.02, ... (bit-identity above
     # proves the weights saw them), and the row of step 20 logs lr(19) on the cosine.
-    rows = {r["step"]: r for r in read_rows(loop_runs[10][0]) if "lr" in r}
+    rows = {r["step"]: r for r in read_jsonl(os.path.join(loop_runs[10][0], "metrics.jsonl")) if "lr" in r}
     assert rows[20]["lr"] == pytest.approx(0.05 * (1 + np.cos(np.pi * 9 / 50)), rel=1e-6)
 
 
@@ -190,7 +166,8 @@ def test_the_32_gpu_recipe_runs_on_4_gpus_by_accumulating_8_micro_batches(tmp_pa
 @pytest.mark.slow
 def test_two_workers_accumulating_equal_one_worker_with_the_whole_batch(tmp_path):
     """2 MWMS workers x 2 micro-batches of 8 == 1 worker x one batch of 32 (BatchNorm frozen)."""
-    from test_multiworker import DRIVER, SHORT, quiet_env, read_log, wait_all, weights
+    from test_multiworker import DRIVER, SHORT, read_log, wait_all, weights
+    from conftest import quiet_env
 
     def command(output, workdir, *overrides):
         return [sys.executable, DRIVER, str(tmp_path / output), "--freeze_bn", *SHORT, "--config.model.sync_bn=False",
@@ -223,12 +200,12 @@ def test_accumulating_run_resumes_exactly(tmp_path):
     whole = str(tmp_path / "whole")
     train.train_and_evaluate(load_config("smoke", *accumulate), whole)
     resumed = str(tmp_path / "resumed")
-    first = train.train_and_evaluate(load_config("smoke", *accumulate), resumed, extra_callbacks=[StopAt(25)])
+    first = train.train_and_evaluate(load_config("smoke", *accumulate), resumed, extra_callbacks=[stop_at_step(25)])
     assert first["steps"] == 25
     assert train.train_and_evaluate(load_config("smoke", *accumulate), resumed)["steps"] == 60
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "images_per_sec")} for r in rows]  # noqa: E731
     stop_eval = {"step": 25}  # the interrupted run evaluated where it stopped; the whole run did not
-    assert [r for r in strip(read_rows(resumed)) if not stop_eval.items() <= r.items()] == strip(read_rows(whole))
+    assert [r for r in strip(read_jsonl(os.path.join(resumed, "metrics.jsonl"))) if not stop_eval.items() <= r.items()] == strip(read_jsonl(os.path.join(whole, "metrics.jsonl")))
     expected, actual = checkpoint_values(whole), checkpoint_values(resumed)
     for key in expected:
         np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
