@@ -47,15 +47,16 @@ test-fast: venv
 test-slow: venv horovod slurm
 	$(PY) -m pytest -q -m slow
 
-# Input pipeline vs decode-only ceiling vs Keras image_dataset_from_directory, on real-photo JPEGs.
+# tfscale's training input vs a plain Model-Garden-style pipeline, the decode-only ceiling and Keras'
+# image_dataset_from_directory, on real-photo JPEGs (batch 64, 224 px), rounds interleaved.
 bench-input: venv
 	test -d runs/photos || $(PY) tools/make_photo_tree.py runs/photos --classes 10 --per_class 200
-	test -f runs/photo_shards/manifest-train.json || \
+	grep -qs '"image_format"' runs/photo_shards/manifest-train.json || \
 	  $(PY) tools/tfrecord_convert.py --input_dir=runs/photos --output_dir=runs/photo_shards --split=train --num_shards=16
 	$(PY) -m tfscale.benchmark --config=configs/r50_1gpu.py --workdir=runs/bench_input \
 	  --config.benchmark.mode=input --config.data.dataset=tfrecord --config.data.data_dir=runs/photo_shards \
-	  --config.benchmark.image_dir=runs/photos --config.data.global_batch_size=128 \
-	  --config.benchmark.num_batches=40 --config.benchmark.num_warmup_batches=5
+	  --config.benchmark.image_dir=runs/photos --config.data.global_batch_size=64 \
+	  --config.benchmark.num_batches=80 --config.benchmark.num_warmup_batches=10 --config.benchmark.rounds=5
 
 # tfscale's training step vs Keras model.fit, same model (CIFAR ResNet-20), data and batch, one process.
 bench-fit: venv

@@ -29,7 +29,7 @@ def photo_shards(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_input_benchmark_prints_and_saves_three_rates(photo_shards, tmp_path):
+def test_input_benchmark_prints_and_saves_every_pipeline_rate(photo_shards, tmp_path):
     photos, shards = photo_shards
     result = run_cli(
         "tfscale.benchmark", "--config=configs/r50_1gpu.py", f"--workdir={tmp_path}",
@@ -41,7 +41,8 @@ def test_input_benchmark_prints_and_saves_three_rates(photo_shards, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     printed = json.loads(lines[-1])  # the last line is the JSON summary
-    assert set(printed) == {"tfscale_images_per_sec", "decode_only_images_per_sec", "keras_baseline_images_per_sec"}
+    assert set(printed) == {f"{name}_images_per_sec" for name in
+                            ("tfscale", "tfscale_no_shuffle", "model_garden", "decode_only", "keras_baseline")}
     assert all(rate > 0 for rate in printed.values())
     with open(os.path.join(tmp_path, "benchmark.json")) as f:
         saved = json.load(f)
@@ -52,6 +53,8 @@ def test_input_benchmark_prints_and_saves_three_rates(photo_shards, tmp_path):
     ours = printed["tfscale_images_per_sec"]
     ratio_line = next(line for line in lines if "decode-only" in line)
     assert f"{ours / printed['decode_only_images_per_sec']:.2f}x" in ratio_line
+    ratio_line = next(line for line in lines if line.strip().startswith("vs Model-Garden-style"))
+    assert f"tfscale {ours / printed['model_garden_images_per_sec']:.3f}x" in ratio_line
 
 
 def test_input_benchmark_needs_shards(tmp_path):

@@ -4,7 +4,13 @@ Every comparison runs its candidates in turn for `benchmark.rounds` rounds and r
 candidate's median, so a slow moment of the host hits all candidates alike; ratios are the figures
 to quote, not the absolute rates of a shared 2-core machine.
 
-  * `compare_input_pipelines` (benchmark.mode=input): tfscale's training input pipeline vs
+  * `compare_input_pipelines` (benchmark.mode=input): tfscale's training input pipeline (as
+      configured, and without its record shuffle buffer) vs
+      (m) a plain Model-Garden-style pipeline on the same shards: interleave -> one map (parse,
+          random-resized-crop window, decode_and_crop_jpeg, resize, flip) -> batch -> prefetch, no
+          shuffle buffer, no label checks; the same per-image ops as tfscale, so the ratio measures
+          what tfscale's pipeline adds (Model Garden's own code also resizes in uint8 and normalises
+          to float32 on the host, both slower: this baseline is the stricter one);
       (a) a decode-only ceiling: the same shards read in parallel and every JPEG fully decoded with
           `tf.io.decode_jpeg`, no augmentation, images delivered as ragged batches;
       (b) `keras.utils.image_dataset_from_directory` on the same images as JPEG files (resized to
@@ -18,6 +24,7 @@ to quote, not the absolute rates of a shared 2-core machine.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from typing import Callable
@@ -92,6 +99,62 @@ def decode_only_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
     return ds.with_options(pipeline.tf_data_options(cfg.data)).prefetch(tf.data.AUTOTUNE)
 
 
+def model_garden_crop_window(image_shape) -> tf.Tensor:
+    """Model Garden's `random_crop_image_v2` window [offset_y, offset_x, h, w], center-crop fallback.
+
+    As official/vision/ops/preprocess_ops.py: `sample_distorted_bounding_box` on the whole image
+    (area 0.08-1, aspect 3/4-4/3, 10 attempts); when it gives back the whole image, the central 87.5%
+    of the shorter side (`center_crop_image_v2`). min_object_covered is tfscale's 0.1 (legacy Model
+    Garden ResNet and tf_cnn_benchmarks), so both pipelines draw from one distribution
+    (tests/test_input_parity.py) and the benchmark compares pipelines, not recipes. Written out
+    here, not taken from tfscale.data.preprocess: it is the reference tfscale is tested against.
+    """
+    begin, size, _ = tf.image.sample_distorted_bounding_box(
+        image_shape, bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], dtype=tf.float32, shape=[1, 1, 4]),
+        min_object_covered=0.1, aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10,
+        use_image_if_no_bounding_boxes=True)
+    height, width = image_shape[0], image_shape[1]
+    crop = tf.cast(0.875 * tf.cast(tf.minimum(height, width), tf.float32), tf.int32)
+    center = tf.stack([(height - crop + 1) // 2, (width - crop + 1) // 2, crop, crop])
+    whole = tf.logical_and(tf.equal(size[0], height), tf.equal(size[1], width))
+    return tf.where(whole, center, tf.stack([begin[0], begin[1], size[0], size[1]]))
+
+
+def model_garden_augment(encoded, image_size: int) -> tf.Tensor:
+    """One JPEG -> random-resized crop, bilinear resize, random flip: uint8 [S, S, 3], no branches."""
+    window = model_garden_crop_window(tf.image.extract_jpeg_shape(encoded))
+    image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3, dct_method=preprocess.DCT_METHOD)
+    image = tf.image.resize(tf.cast(image, tf.float32), [image_size, image_size], method="bilinear")
+    return tf.image.random_flip_left_right(tf.cast(image + 0.5, tf.uint8))
+
+
+def model_garden_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
+    """A plain Model-Garden-style training pipeline on the same shards: nothing but the work itself.
+
+    files (shuffled, repeated) -> parallel interleave -> ONE parallel map: parse, crop window,
+    decode_and_crop_jpeg, resize, flip -> batch -> prefetch. No record shuffle buffer, no label
+    checks, no assignment, non-deterministic order. The per-image ops cost what tfscale's cost (the
+    same JPEG IDCT, bilinear resize in float32, uint8 out), so the ratio measures pipeline structure.
+    """
+    data = cfg.data
+    files = pipeline.list_shards(data.data_dir, data.train_split)
+    ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=cfg.seed).repeat()
+    ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(data.interleave_cycle, len(files)),
+                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+
+    def parse_and_augment(serialized):
+        features = tf.io.parse_single_example(serialized, {
+            "image/encoded": tf.io.FixedLenFeature([], tf.string),
+            "image/class/label": tf.io.FixedLenFeature([], tf.int64)})
+        label = tf.cast(features["image/class/label"] - data.label_offset, tf.int32)
+        return model_garden_augment(features["image/encoded"], data.image_size), label
+
+    ds = ds.map(parse_and_augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+    options = tf.data.Options()
+    options.deterministic = False
+    return ds.batch(data.global_batch_size, drop_remainder=True).with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
 def keras_baseline_input(cfg: ml_collections.ConfigDict, image_dir: str) -> tf.data.Dataset:
     """What the Keras tutorials write: image_dataset_from_directory + augmentation layers."""
     size = cfg.data.image_size
@@ -112,7 +175,10 @@ def keras_baseline_input(cfg: ml_collections.ConfigDict, image_dir: str) -> tf.d
 def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
     """Median images/sec of tfscale's pipeline, the decode-only ceiling and (with image_dir) Keras'."""
     bench = cfg.benchmark
-    makers = {"tfscale": lambda: tfscale_input(cfg), "decode_only": lambda: decode_only_input(cfg)}
+    unshuffled = copy.deepcopy(cfg)
+    unshuffled.data.shuffle_buffer = 1
+    makers = {"tfscale": lambda: tfscale_input(cfg), "tfscale_no_shuffle": lambda: tfscale_input(unshuffled),
+              "model_garden": lambda: model_garden_input(cfg), "decode_only": lambda: decode_only_input(cfg)}
     if bench.image_dir:
         makers["keras_baseline"] = lambda: keras_baseline_input(cfg, bench.image_dir)
 
@@ -121,7 +187,11 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
                                               timed_batches=bench.num_batches)
 
     result = summarize_rates(median_rates({name: timed(make) for name, make in makers.items()}, bench.rounds))
+    result["tfscale_vs_model_garden"] = round(result["tfscale_images_per_sec"] / result["model_garden_images_per_sec"], 3)
+    result["tfscale_no_shuffle_vs_model_garden"] = round(
+        result["tfscale_no_shuffle_images_per_sec"] / result["model_garden_images_per_sec"], 3)
     result.update(global_batch_size=cfg.data.global_batch_size, image_size=cfg.data.image_size,
+                  shuffle_buffer=cfg.data.shuffle_buffer,
                   num_batches=bench.num_batches, num_warmup_batches=bench.num_warmup_batches)
     return result
 
@@ -129,14 +199,21 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
 def print_input_report(result: dict) -> None:
     ours = result["tfscale_images_per_sec"]
     print(f"input pipeline, images/sec (batch {result['global_batch_size']}, {result['image_size']}px, "
-          f"median of {len(result['rounds']['tfscale'])} rounds):")
-    print(f"  tfscale train pipeline (crop-window decode + flip)   {ours:9.1f}")
-    rows = (("decode_only", "decode-only ceiling (full decode_jpeg)"),
-            ("keras_baseline", "keras image_dataset_from_directory + RandomCrop/Flip"))
+          f"median of {len(result['rounds']['tfscale'])} interleaved rounds):")
+    rows = (
+        ("tfscale", f"tfscale train pipeline (shuffle_buffer={result['shuffle_buffer']})"),
+        ("tfscale_no_shuffle", "tfscale train pipeline without record shuffle"),
+        ("model_garden", "Model-Garden-style (same per-image ops, no extras)"),
+        ("decode_only", "decode-only ceiling (full decode_jpeg)"),
+        ("keras_baseline", "keras image_dataset_from_directory + RandomCrop/Flip"),
+    )
     for key, label in rows:
         if f"{key}_images_per_sec" in result:
             theirs = result[f"{key}_images_per_sec"]
-            print(f"  {label:52s} {theirs:9.1f}   tfscale = {ours / theirs:.2f}x")
+            ratio = "" if key == "tfscale" else f"   tfscale = {ours / theirs:.2f}x"
+            print(f"  {label:52s} {theirs:9.1f}{ratio}")
+    print(f"  vs Model-Garden-style: tfscale {result['tfscale_vs_model_garden']:.3f}x, without record shuffle "
+          f"{result['tfscale_no_shuffle_vs_model_garden']:.3f}x")
 
 
 # --- training loop vs model.fit -------------------------------------------------------------------

@@ -5,9 +5,12 @@
 batches per replica, so tf.distribute never re-shards (its auto-sharding is switched off).
 
 TFRecord training input, per worker:
-  shards -> this worker's files (data.assignment) -> parallel interleave -> shuffle -> repeat
-  -> parse + decode (only the crop window) + augment, in parallel -> batch per replica
+  shards -> this worker's files (data.assignment), reshuffled every pass -> parallel interleave
+  -> shuffle (serialized records) -> ONE parallel map: parse + decode (only the crop window, no format
+  branch for tfscale-convert's all-JPEG shards) + augment -> batch per replica -> label check per batch
   -> optional batch augmentation (RandAugment / MixUp / CutMix) -> prefetch.
+Every stage off the parallel paths costs throughput: bench-input compares this pipeline with a
+plain Model-Garden-style one that has none of these extras.
 Images leave tf.data as uint8; the model normalises them on the device (4x less host traffic).
 
 Evaluation reads every example exactly once over all workers: example i goes to worker i mod W, and
@@ -134,21 +137,34 @@ def explain_data_loss(err: tf.errors.DataLossError, data_cfg, data_dir: str, spl
     return ValueError(f"corrupt TFRecord data ({err.message.strip()}): {'; '.join(bad)}")
 
 
+def holds_only_jpeg(data_dir: str, split: str) -> bool:
+    """True when the split's manifest says every record is a JPEG (shards written by tfscale-convert).
+
+    Shards from other tools may hold PNGs or CMYK JPEGs under .JPEG names: they get the format branch.
+    """
+    where = tfio.find_manifest(data_dir, split)
+    manifest = tfio.read_manifest_file(where) if where else None
+    return bool(manifest) and manifest.get("image_format") == "jpeg"
+
+
 def _label_check_fn(data_cfg: ml_collections.ConfigDict):
-    """Labels outside [0, num_classes) mean a wrong label offset or class count: fail loudly."""
+    """Labels outside [0, num_classes) mean a wrong label offset or class count: fail loudly.
+
+    Checks a whole batch at once (element = (images, labels, ...)): a per-example stage on the
+    pipeline's sequential path cost more throughput than the check itself (bench-input).
+    """
     num_classes, offset = data_cfg.num_classes, data_cfg.label_offset
 
-    def check(encoded, label):
-        label = tf.cast(label, tf.int32)
+    def check(images, labels, *rest):
         too_big = tf.debugging.assert_less(
-            label, num_classes,
+            labels, num_classes,
             message=f"label >= config.data.num_classes={num_classes}; check config.data.label_offset={offset}",
         )
         negative = tf.debugging.assert_non_negative(
-            label, message=f"label < 0 after subtracting config.data.label_offset={offset}; is it {offset - 1}?",
+            labels, message=f"label < 0 after subtracting config.data.label_offset={offset}; is it {offset - 1}?",
         )
         with tf.control_dependencies([too_big, negative]):
-            return encoded, tf.identity(label)
+            return (images, tf.identity(labels), *rest)
 
     return check
 
@@ -294,19 +310,28 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
         worker_seed = (seed * 1_000_003 + start_step * 7_919 + input_context.input_pipeline_id) % 2**31
         per_replica_batch = input_context.get_per_replica_batch_size(data_cfg.global_batch_size)
         if data_cfg.dataset == "tfds":
-            ds = _tfds_records(data_cfg, data_cfg.train_split, input_context, seed=worker_seed, shuffle_files=True)
-            ds = ds.repeat()
+            records = _tfds_records(data_cfg, data_cfg.train_split, input_context, seed=worker_seed, shuffle_files=True)
+            records, to_example = records.repeat(), lambda encoded, label: (encoded, label)
         else:
-            ds = _worker_records(list_shards(data_dir, data_cfg.train_split), data_cfg, input_context, worker_seed)
-            ds = ds.map(_parse_fn(data_cfg), num_parallel_calls=tf.data.AUTOTUNE)
-        ds = ds.map(_label_check_fn(data_cfg)).shuffle(data_cfg.shuffle_buffer, seed=worker_seed)
+            records = _worker_records(list_shards(data_dir, data_cfg.train_split), data_cfg, input_context, worker_seed)
+            to_example = _parse_fn(data_cfg)
+        jpeg_only = data_cfg.dataset == "tfrecord" and holds_only_jpeg(data_dir, data_cfg.train_split)
 
-        def prepare(encoded, label):
-            image = preprocess.train_preprocess(encoded, image_size=data_cfg.image_size, augment=data_cfg.augment)
+        def prepare(*record):
+            # One parallel map from record to training example: separate stages (parse, label check,
+            # decode) cost a hand-over between tf.data threads per example, a few % (bench-input).
+            encoded, label = to_example(*record)
+            image = preprocess.train_preprocess(encoded, image_size=data_cfg.image_size, augment=data_cfg.augment,
+                                                jpeg_only=jpeg_only)
             return image, tf.cast(label, tf.int32)
 
-        ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=data_cfg.deterministic)
-        ds = _batch_augment(ds.batch(per_replica_batch, drop_remainder=True), data_cfg)
+        if data_cfg.shuffle_buffer > 1:
+            # The records, before parsing: the smallest form an example takes here. Holding 10,000 of
+            # them costs ~3% of the input rate in memory traffic (bench-input's "no shuffle" row).
+            records = records.shuffle(data_cfg.shuffle_buffer, seed=worker_seed)
+        ds = records.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=data_cfg.deterministic)
+        ds = ds.batch(per_replica_batch, drop_remainder=True).map(_label_check_fn(data_cfg))
+        ds = _batch_augment(ds, data_cfg)
         return _finish(ds, data_cfg)
 
     return input_fn
@@ -326,7 +351,7 @@ def _eval_records(data_cfg, data_dir: str, input_context) -> tf.data.Dataset:
             cycle_length=min(data_cfg.interleave_cycle, len(files)), num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True,
         ).map(_parse_fn(data_cfg))
-    return _keep_indices(ds, lambda i: i % workers == rank).map(_label_check_fn(data_cfg))
+    return _keep_indices(ds, lambda i: i % workers == rank)
 
 
 def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size: int, num_steps: int,
@@ -344,9 +369,12 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batc
         local_replicas = input_context.num_replicas_in_sync // input_context.num_input_pipelines
         size = data_cfg.image_size
 
+        jpeg_only = data_cfg.dataset == "tfrecord" and holds_only_jpeg(data_dir, data_cfg.eval_split)
+
         def prepare(encoded, label):
             image = preprocess.eval_preprocess(
-                encoded, image_size=size, augment=data_cfg.augment, crop_fraction=data_cfg.eval_crop_fraction
+                encoded, image_size=size, augment=data_cfg.augment, crop_fraction=data_cfg.eval_crop_fraction,
+                jpeg_only=jpeg_only,
             )
             return image, tf.cast(label, tf.int32), tf.constant(1.0)
 
@@ -357,8 +385,9 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batc
             (tf.zeros([size, size, 3], tf.uint8), tf.constant(0, tf.int32), tf.constant(0.0))
         ).repeat()
         ds = real.concatenate(padding).take(num_steps * local_replicas * per_replica_batch)
+        ds = ds.batch(per_replica_batch, drop_remainder=True).map(_label_check_fn(data_cfg))
         # Always deterministic: the options also reach upstream ops that take their order from them
         # (TFDS's parallel decode map), and example i must be the same example on every worker.
-        return _finish(ds.batch(per_replica_batch, drop_remainder=True), data_cfg, deterministic=True)
+        return _finish(ds, data_cfg, deterministic=True)
 
     return input_fn

@@ -214,6 +214,7 @@ def build_manifest(split: str, classes: list[str], class_texts: list[str], shard
         "resize_shorter": resize_shorter,
         "seed": seed,
         "jpeg_quality": JPEG_QUALITY,
+        "image_format": "jpeg",  # every record is a baseline RGB JPEG (encode.py): readers skip format checks
         "input_dir": input_dir,
         "tool": "tfscale.data.convert",
         "tool_version": tfscale.__version__,
