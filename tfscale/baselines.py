@@ -17,7 +17,7 @@ to quote, not the absolute rates of a shared 2-core machine.
           8/7 of the crop, as the usual 256 -> 224 recipe) followed by `RandomCrop` + `RandomFlip`
           (Keras 3 has no random-resized-crop layer).
   * `compare_keras_fit` (benchmark.mode=train, compare_keras_fit=True, one process): tfscale's
-      training step (`engine.make_train_step`, what the loop runs) vs Keras `model.fit` on the same
+      training loop (`engine.make_train_loop`, what train.py runs, one step per call) vs Keras `model.fit` on the same
       model, optimizer, input pipeline and batch; both timed step by step (interval between step
       ends, loss read every step), median step time per round.
 """
@@ -263,13 +263,17 @@ def _fit_rate(model: keras.Model, ds: tf.data.Dataset, num_batches: int, global_
     return median_step_rate(timer.step_ends, num_batches, global_batch_size)
 
 
-def _loop_rate(train_step, cluster, input_fn, num_batches: int, global_batch_size: int) -> float:
-    """images/sec of tfscale's step, timed exactly as `_fit_rate` times fit."""
+def _loop_rate(train_loop, cluster, input_fn, num_batches: int, global_batch_size: int) -> float:
+    """images/sec of tfscale's training loop run one step per call, timed exactly as `_fit_rate` times fit.
+
+    One step per call, as fit's default steps_per_execution=1: the comparison is the step itself.
+    """
     iterator = iter(cluster.distribute_dataset(input_fn))
-    no_stop = tf.constant(0.0)
+    no_stop, one_step = tf.constant(0.0), tf.constant(1)
     step_ends = []
     for _ in range(2 * num_batches):
-        train_step(iterator, no_stop).numpy()  # the loop reads the loss every step
+        losses, _ = train_loop(iterator, no_stop, one_step)
+        losses.numpy()  # read the loss every step, as fit's timer does
         step_ends.append(time.perf_counter())
     return median_step_rate(step_ends, num_batches, global_batch_size)
 
@@ -284,10 +288,11 @@ def compare_keras_fit(cfg: ml_collections.ConfigDict, cluster, model, optimizer,
         raise ValueError("config.benchmark.compare_keras_fit=True compares one process on one device: "
                          "run it without a launcher and with config.distribute.backend=one_device")
     batch, steps = cfg.data.global_batch_size, cfg.benchmark.num_batches
-    train_step = engine.make_train_step(cfg, cluster, model, optimizer)
+    step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    train_loop = engine.make_train_loop(cfg, cluster, model, optimizer, step=step)
     fit_model = _keras_fit_model(cfg)
     candidates = {
-        "tfscale_loop": lambda: _loop_rate(train_step, cluster, input_fn, steps, batch),
+        "tfscale_loop": lambda: _loop_rate(train_loop, cluster, input_fn, steps, batch),
         "keras_fit": lambda: _fit_rate(fit_model, input_fn(tf.distribute.InputContext()), steps, batch),
     }
     result = summarize_rates(median_rates(candidates, cfg.benchmark.rounds))
