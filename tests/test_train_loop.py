@@ -12,6 +12,7 @@ from conftest import REPO, checkpoint_values, load_config, read_jsonl, stop_at_s
 
 from tfscale import config as tfs_config
 from tfscale import distribute, engine, launch, train
+from tfscale.collectives import HorovodCollectives
 from tfscale.data import pipeline
 
 
@@ -209,3 +210,23 @@ def test_accumulating_run_resumes_exactly(tmp_path):
     expected, actual = checkpoint_values(whole), checkpoint_values(resumed)
     for key in expected:
         np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+@pytest.mark.parametrize("backend", ["one_device", "horovod_stub"])
+def test_batches_go_to_the_device_through_input_options_of_the_configured_depth(backend):
+    # GPU hosts copy the next `device_prefetch_batches` batches per replica to the GPU during the
+    # step; here the device is the CPU, so what is checked is that every backend asks for it.
+    cfg = load_config("smoke", "--config.distribute.device_prefetch_batches=3")
+    if backend == "one_device":
+        cluster = distribute.setup(cfg.distribute)
+        collectives = cluster._collectives
+    else:
+        class OneRank:  # what HorovodCollectives asks of the horovod module to shard the input
+            size, rank = staticmethod(lambda: 1), staticmethod(lambda: 0)
+
+        collectives = HorovodCollectives(OneRank(), tf.distribute.OneDeviceStrategy("/cpu:0"),
+                                         device_prefetch_batches=cfg.distribute.device_prefetch_batches)
+    data = collectives.distribute_dataset(lambda context: tf.data.Dataset.range(6).batch(2))
+    assert data._options.experimental_fetch_to_device
+    assert data._options.experimental_per_replica_buffer_size == 3
+    assert [batch.numpy().tolist() for batch in data] == [[0, 1], [2, 3], [4, 5]]

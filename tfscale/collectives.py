@@ -19,6 +19,16 @@ import tensorflow as tf
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 
 
+def device_input_options(prefetch_batches: int) -> tf.distribute.InputOptions:
+    """Batches go to the replicas' devices ahead of the step: `prefetch_batches` per replica.
+
+    On GPUs the host-to-device copy of the next batches then overlaps the current step (TensorFlow
+    fetches to the device by default, one batch deep); on CPU-only hosts the "device" is host memory.
+    """
+    return tf.distribute.InputOptions(experimental_fetch_to_device=True,
+                                      experimental_per_replica_buffer_size=prefetch_batches)
+
+
 class Collectives(abc.ABC):
     """How one backend reduces across replicas and processes (see the Cluster method of the same name)."""
 
@@ -58,8 +68,9 @@ class StrategyCollectives(Collectives):
     saving_is_collective = True
     averages_gradients = False
 
-    def __init__(self, strategy: tf.distribute.Strategy):
+    def __init__(self, strategy: tf.distribute.Strategy, device_prefetch_batches: int = 1):
         self.strategy = strategy
+        self.input_options = device_input_options(device_prefetch_batches)
 
     def gradients_for_apply(self, grads):
         return grads  # Keras' apply_gradients sums them across replicas
@@ -100,7 +111,7 @@ class StrategyCollectives(Collectives):
         pass  # MWMS initialises and restores replicas identically itself
 
     def distribute_dataset(self, input_fn):
-        return self.strategy.distribute_datasets_from_function(input_fn)
+        return self.strategy.distribute_datasets_from_function(input_fn, options=self.input_options)
 
 
 class HorovodCollectives(Collectives):
@@ -113,10 +124,12 @@ class HorovodCollectives(Collectives):
     saving_is_collective = False
     averages_gradients = True
 
-    def __init__(self, hvd: Any, strategy: tf.distribute.Strategy | None, fp16_allreduce: bool = False):
+    def __init__(self, hvd: Any, strategy: tf.distribute.Strategy | None, fp16_allreduce: bool = False,
+                 device_prefetch_batches: int = 1):
         self.hvd = hvd  # the horovod.tensorflow module
         self.strategy = strategy
         self.fp16_allreduce = fp16_allreduce  # gradients travel as float16
+        self.input_options = device_input_options(device_prefetch_batches)
 
     def gradients_for_apply(self, grads):
         compression = self.hvd.Compression.fp16 if self.fp16_allreduce else self.hvd.Compression.none
@@ -149,4 +162,4 @@ class HorovodCollectives(Collectives):
         size, rank = self.hvd.size(), self.hvd.rank()
         context = tf.distribute.InputContext(num_input_pipelines=size, input_pipeline_id=rank,
                                              num_replicas_in_sync=size)
-        return self.strategy.distribute_datasets_from_function(lambda _: input_fn(context))
+        return self.strategy.distribute_datasets_from_function(lambda _: input_fn(context), options=self.input_options)

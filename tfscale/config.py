@@ -163,6 +163,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribute.heartbeat_timeout_s = 60.0  # mwms: a worker silent this long is dead; the rest fail
     c.distribute.collective_timeout_s = 0.0  # abort any single all-reduce after this long (0: no limit)
     c.distribute.collective_impl = "AUTO"  # AUTO | RING | NCCL (NCCL on GPU clusters)
+    c.distribute.device_prefetch_batches = 2  # batches per replica copied to the GPU ahead of the step (tf.distribute InputOptions)
     c.distribute.pack_bytes = 0  # all-reduce packing: bytes per pack (0: TensorFlow's default)
     c.distribute.port_base = 0  # Slurm without TF_CONFIG: first worker port on each node (0: derived from SLURM_JOB_ID and SLURM_STEP_ID)
     c.distribute.horovod_fusion_bytes = 0  # horovod: tensor-fusion buffer, HOROVOD_FUSION_THRESHOLD (0: 128 MiB)
@@ -300,7 +301,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
         "data.image_size", "data.num_classes", "data.num_train_examples", "data.num_eval_examples",
         "data.global_batch_size", "data.shuffle_buffer", "data.interleave_cycle", "optim.lr",
         "train.epochs", "train.log_every_steps", "train.eval_every_epochs", "train.steps_per_loop",
-        "optim.grad_accum_steps", "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
+        "optim.grad_accum_steps", "distribute.device_prefetch_batches", "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
         "distribute.connect_timeout_s", "distribute.heartbeat_timeout_s",
         "benchmark.num_batches", "benchmark.display_every", "benchmark.rounds", "benchmark.breakdown_batches",
     ))

@@ -159,9 +159,9 @@ def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Clust
     """Builds the strategy for `dist_cfg.backend`, checks the cluster answers, logs the topology."""
     env = dict(os.environ if env is None else env)
     if dist_cfg.backend == "one_device":
-        cluster = _strategy_cluster(dist_cfg.backend, _one_device_strategy(), env)
+        cluster = _strategy_cluster(dist_cfg, _one_device_strategy(), env)
     elif dist_cfg.backend == "mirrored":
-        cluster = _strategy_cluster(dist_cfg.backend, _mirrored_strategy(dist_cfg), env)
+        cluster = _strategy_cluster(dist_cfg, _mirrored_strategy(dist_cfg), env)
     elif dist_cfg.backend == "mwms":
         cluster = _multi_worker_cluster(dist_cfg, env)
     elif dist_cfg.backend == "horovod":
@@ -174,25 +174,25 @@ def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Clust
     return cluster
 
 
-def _strategy_cluster(backend: str, strategy: tf.distribute.Strategy, env: dict,
+def _strategy_cluster(dist_cfg: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, env: dict,
                       tf_config: dict | None = None) -> Cluster:
     """A tf.distribute job: one worker, or the workers of `tf_config`."""
     return Cluster(
-        backend=backend,
+        backend=dist_cfg.backend,
         strategy=strategy,
         rank=tf_config["task"]["index"] if tf_config else 0,
         size=len(tf_config["cluster"]["worker"]) if tf_config else 1,
         local_rank=local_rank_from_env(env),
         num_replicas=strategy.num_replicas_in_sync,
         host=socket.gethostname(),
-        _collectives=StrategyCollectives(strategy),
+        _collectives=StrategyCollectives(strategy, dist_cfg.device_prefetch_batches),
     )
 
 
 def _multi_worker_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
     tf_config = _resolve_tf_config(dist_cfg, env)
     strategy = _multi_worker_strategy(dist_cfg, tf_config, local_rank_from_env(env))
-    return _strategy_cluster(dist_cfg.backend, strategy, env, tf_config)
+    return _strategy_cluster(dist_cfg, strategy, env, tf_config)
 
 
 def _horovod_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
@@ -206,7 +206,8 @@ def _horovod_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
         local_rank=hvd.local_rank(),
         num_replicas=hvd.size(),
         host=socket.gethostname(),
-        _collectives=HorovodCollectives(hvd, strategy, fp16_allreduce=dist_cfg.horovod_fp16_allreduce),
+        _collectives=HorovodCollectives(hvd, strategy, fp16_allreduce=dist_cfg.horovod_fp16_allreduce,
+                                        device_prefetch_batches=dist_cfg.device_prefetch_batches),
     )
 
 
