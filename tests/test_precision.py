@@ -48,7 +48,12 @@ def test_float16_loss_scaling_skips_an_overflowing_step_and_lowers_the_scale(flo
         model = engine.build_model(cfg)
         optimizer = engine.build_optimizer(cfg, model)
     assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    step = engine.make_train_step(cfg, cluster, model, optimizer)
+    train_loop = engine.make_train_loop(cfg, cluster, model, optimizer, step=tf.Variable(0, dtype=tf.int64))
+
+    def step(iterator, stop):  # one global step: (loss, replicas stopping)
+        losses, stopping = train_loop(iterator, stop, tf.constant(1))
+        return tf.stack([losses[0], stopping])
+
     data = cluster.strategy.distribute_datasets_from_function(
         pipeline.train_input_fn(cfg.data, seed=0, start_step=0)
     )

@@ -142,10 +142,9 @@ def test_accumulation_reduces_gradients_once_per_update():
     with cluster.strategy.scope():
         model = engine.build_model(cfg)
         optimizer = engine.build_optimizer(cfg, model)
-    step = engine.make_train_step(cfg, cluster, model, optimizer)
+    train_loop = engine.make_train_loop(cfg, cluster, model, optimizer, step=tf.Variable(0, dtype=tf.int64))
     iterator = iter(cluster.distribute_dataset(pipeline.train_input_fn(cfg.data, seed=0, start_step=0)))
-    for _ in range(3):
-        step(iterator, tf.constant(0.0))
+    train_loop(iterator, tf.constant(0.0), tf.constant(3))
     assert int(cluster.reductions.numpy()) == 3 and int(optimizer.iterations.numpy()) == 3
 
 

@@ -3,15 +3,15 @@
     run = engine.setup(cfg)                                  # config checked, cluster up, data found
     with engine.precision_policy(cfg.precision):
         model, optimizer = engine.build_model_and_optimizer(cfg, run.cluster)
-        train_step = engine.make_train_step(cfg, run.cluster, model, optimizer)
+        train_loop = engine.make_train_loop(cfg, run.cluster, model, optimizer, step=step_variable)
 
-`train.py` drives these in its loop; `benchmark.py` times the very same step. A step is built in
+`train.py` drives the loop; `benchmark.py` times the very same replica step. A step is built in
 three layers, each usable alone (the benchmark times the first without the rest):
 
   loss_and_grads(images, labels)       one replica's forward + backward (XLA-compiled with jit_compile)
   replica_step(images, labels, stop)   + gradient reduction, update, BatchNorm state averaging
-  train_step(iterator, stop)           every replica's step, its loss summed over the whole job
-  train_loop(iterator, stop, n)        n train steps on device, the LR set per step (steps per loop)
+  train_loop(iterator, stop, n)        n global steps on device (every replica's step, its loss
+                                       summed over the whole job), the LR set per step
 
 Only this module builds models, optimizers and steps from a config; `distribute.Cluster` supplies the
 collectives, so the code here has no branch per backend.
@@ -196,27 +196,12 @@ def run_replica_step(cluster, replica_step, images, labels, stop_requested):
     return cluster.sum_over_processes(cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None))
 
 
-def make_train_step(cfg, cluster, model, optimizer):
-    """A compiled function running one global step.
-
-    `train_step(iterator, stop_requested)` returns [mean loss over the global batch, number of
-    replicas whose worker was asked to stop].
-    """
-    replica_step = make_replica_step(cfg, cluster, model, optimizer)
-
-    @tf.function
-    def train_step(iterator, stop_requested):
-        return run_replica_step(cluster, replica_step, *next(iterator), stop_requested)
-
-    return train_step
-
-
 def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learning_rate=None):
     """A compiled function running several global steps on device, with one host sync at the end.
 
     `train_loop(iterator, stop_requested, num_steps) -> (losses, replicas stopping)`: `losses[i]` is
-    step i's mean loss over the global batch, as `make_train_step` returns it; the stop count is the
-    last step's. Before each step the optimizer's LR is set to `learning_rate(step)` (a tensor function
+    step i's mean loss over the global batch; the stop count (replicas whose worker was asked to
+    stop) is the last step's. Before each step the optimizer's LR is set to `learning_rate(step)` (a tensor function
     of the run's step counter, e.g. `callbacks.LearningRatePerStep.device_schedule`; None keeps the
     LR), and after it `step` is advanced: the LR changes every step although the host sees only the
     loop's end. This is Orbit's `steps_per_loop` / Keras' `steps_per_execution`.
