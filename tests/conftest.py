@@ -14,8 +14,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config(name: str, *overrides: str):
-    """configs/<name>.py with `--config.x=y` overrides, parsed exactly as `tfscale.train` parses them."""
-    argv = ["prog", f"--config={os.path.join(REPO, 'configs', name + '.py')}", *overrides]
+    """configs/<name>.py[:variant] with `--config.x=y` overrides, parsed exactly as `tfscale.train` parses them."""
+    name, colon, variant = name.partition(":")
+    argv = ["prog", f"--config={os.path.join(REPO, 'configs', name + '.py')}{colon}{variant}", *overrides]
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True, sys_argv=argv)
     flag_values(argv)

@@ -8,12 +8,23 @@ Reads ImageNet-1k TFRecord shards (`train-*-of-*`, `validation-*-of-*`, 1-based 
 `data.data_dir`, which is required. The reference recipe of Goyal et al. 2017 for a 256 batch (no
 warmup needed at this size): expect ~76% top-1 after 90 epochs. Speed only, without data:
 `--config.data.dataset=synthetic`, or `python -m tfscale.benchmark ... --config.benchmark.mode=synthetic`.
+
+GPU variants (docs/gpu.md): `--config=configs/r50_1gpu.py:amp` (float16 + XLA) or `:amp_bf16`
+(bfloat16 + XLA); same batch, LR and epochs. Published images/sec to compare `python -m
+tfscale.benchmark` with (ResNet-50 v1.5, 1 GPU, real ImageNet, DALI input):
+  * NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md (NGC
+    20.06 container): V100 16 GB: 412 img/s FP32 + XLA (batch 128), 1270 img/s AMP + XLA (batch 256);
+    A100 40 GB: 909 img/s TF32 + XLA, 2375 img/s AMP + XLA (batch 256).
+  * tf_cnn_benchmarks (tensorflow.org/performance/benchmarks, May 2017): P100, FP32, batch 64,
+    real data: 218 img/s.
+This recipe's batch (256) is NVIDIA's AMP batch; their FP32 figures are at 128, what a 16 GB V100
+holds at float32 (`--config.data.global_batch_size=128`, the LR follows: 0.05).
 """
 
-from tfscale.config import base_config
+from tfscale.config import base_config, gpu_variant
 
 
-def get_config():
+def get_config(variant=None):
     c = base_config()
     c.model.name = "resnet50"
     c.data.image_size = 224
@@ -30,4 +41,4 @@ def get_config():
     c.schedule.decay_epochs = (30, 60, 80)
     c.train.epochs = 90.0
     c.distribute.backend = "one_device"
-    return c
+    return gpu_variant(c, variant, "r50_1gpu")
