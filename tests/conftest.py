@@ -23,6 +23,16 @@ def load_config(name: str, *overrides: str):
     return flag_values.config
 
 
+# TensorFlow 2.21 logs its oneDNN notice (on CPUs where oneDNN is on by default: AVX-512 and newer)
+# through absl before it reads TF_CPP_MIN_LOG_LEVEL, so no setting hides it (tensorflow#100442), and
+# absl adds its own "before InitializeLog" line. Tests of what tfscale prints look past these.
+TF_IMPORT_NOTICES = ("All log messages before absl::InitializeLog() is called", "] oneDNN custom operations are on.")
+
+
+def without_tf_import_notices(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not any(n in line for n in TF_IMPORT_NOTICES))
+
+
 def run_cli(module: str, *args: str, timeout_s: float = 600, cwd: str = REPO):
     """Runs `python -m module args...` as a user would; returns the CompletedProcess."""
     import subprocess

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 from absl import logging
-from conftest import REPO
+from conftest import REPO, without_tf_import_notices
 
 from tfscale import callbacks, logs
 
@@ -42,14 +42,8 @@ def assert_each_message_once(lines):
     assert not repeated, repeated
 
 
-# TensorFlow 2.21 logs its oneDNN notice (on CPUs where oneDNN is on by default: AVX-512 and newer)
-# through absl before it reads TF_CPP_MIN_LOG_LEVEL, so no setting hides it (tensorflow#100442);
-# absl adds its own "before InitializeLog" line. Everything else of the banner must be gone.
-BEFORE_LOG_LEVEL = ("All log messages before absl::InitializeLog() is called", "] oneDNN custom operations are on.")
-
-
 def assert_no_banner(text):
-    text = "\n".join(line for line in text.splitlines() if not any(m in line for m in BEFORE_LOG_LEVEL))
+    text = without_tf_import_notices(text)  # the one notice TensorFlow prints before reading its level
     assert not any(marker in text for marker in BANNER), text[:3000]
     assert not re.search(r"^(\[rank \d\] )?I0000 ", text, re.MULTILINE), "a C++ INFO line got through"
 

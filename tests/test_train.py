@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import checkpoint_values, load_config, read_jsonl, run_cli, stop_at_step
+from conftest import checkpoint_values, load_config, read_jsonl, run_cli, stop_at_step, without_tf_import_notices
 
 from tfscale import train
 
@@ -112,7 +112,8 @@ def test_cli_trains_then_resumes_instead_of_restarting(tmp_path):
     assert "eval at step 60" in first.stderr
     # Each message once (absl's line, not TensorFlow's own `INFO:tensorflow:` copy); steps with an ETA.
     assert "INFO:tensorflow:" not in first.stderr
-    records = [line.split(" ", 3)[3] for line in first.stderr.splitlines() if re.match(r"[IWEF]\d{4} \S+ +\d+ ", line)]
+    printed = without_tf_import_notices(first.stderr)
+    records = [line.split(" ", 3)[3] for line in printed.splitlines() if re.match(r"[IWEF]\d{4} \S+ +\d+ ", line)]
     assert len(records) == len(set(records)), records  # file:line] message, without time and thread
     step_lines = [line for line in first.stderr.splitlines() if re.search(r"\] step \d+/60 ", line)]
     assert len(step_lines) == 6 and all(re.search(r"  eta \d+:\d\d:\d\d$", line) for line in step_lines), step_lines
