@@ -10,13 +10,15 @@ warmup needed at this size): expect ~76% top-1 after 90 epochs. Speed only, with
 `--config.data.dataset=synthetic`, or `python -m tfscale.benchmark ... --config.benchmark.mode=synthetic`.
 
 GPU variants (docs/gpu.md): `--config=configs/r50_1gpu.py:amp` (float16 + XLA) or `:amp_bf16`
-(bfloat16 + XLA); same batch, LR and epochs. Published images/sec to compare `python -m
-tfscale.benchmark` with (ResNet-50 v1.5, 1 GPU, real ImageNet, DALI input):
-  * NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md (NGC
-    20.06 container): V100 16 GB: 412 img/s FP32 + XLA (batch 128), 1270 img/s AMP + XLA (batch 256);
-    A100 40 GB: 909 img/s TF32 + XLA, 2375 img/s AMP + XLA (batch 256).
-  * tf_cnn_benchmarks (tensorflow.org/performance/benchmarks, May 2017): P100, FP32, batch 64,
-    real data: 218 img/s.
+(bfloat16 + XLA); same batch, LR and epochs. Published images/sec on 1 GPU to compare `python -m
+tfscale.benchmark` with (training, real ImageNet TFRecords):
+  * NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md, "Training
+    performance results" (ResNet-50 v1.5, NGC 20.06-tf1 container, training_perf.sh: tf.data input,
+    no DALI): V100 16 GB (DGX-1): 412 img/s FP32 + XLA (batch 128), 1270 img/s AMP + XLA (batch 256);
+    A100 40 GB (DGX A100): 909 img/s TF32 + XLA, 2375 img/s AMP + XLA (batch 256).
+  * tf_cnn_benchmarks (tensorflow.org/performance/benchmarks, May 2017; tensorflow/tensorflow
+    tensorflow/docs_src/performance/benchmarks.md): ResNet-50 v1, P100 (DGX-1), FP32, batch 64,
+    real data: 218 img/s. Those tables have no mixed-precision figures.
 This recipe's batch (256) is NVIDIA's AMP batch; their FP32 figures are at 128, what a 16 GB V100
 holds at float32 (`--config.data.global_batch_size=128`, the LR follows: 0.05).
 """

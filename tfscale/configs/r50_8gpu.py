@@ -10,15 +10,18 @@ refused (128 images per replica at most); scale it with `--config.data.global_ba
 
 GPU variants (docs/gpu.md): `--config=configs/r50_8gpu.py:amp` (float16 + XLA) or `:amp_bf16`
 (bfloat16 + XLA); same batch, LR and epochs. Published images/sec for 8 GPUs to compare with
-(ResNet-50 v1.5, real ImageNet):
-  * NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md (NGC
-    20.06, Horovod + DALI): DGX-1 (8x V100 16 GB): 3170 img/s FP32 + XLA (128/GPU), 9510 img/s AMP +
-    XLA (256/GPU); DGX A100 (8x A100 40 GB): 7000 img/s TF32 + XLA, 17400 img/s AMP + XLA (256/GPU).
-  * tf_cnn_benchmarks (tensorflow.org/performance/benchmarks, May 2017): DGX-1 8x P100, FP32, 64/GPU,
-    real data: 1630 img/s.
+(training, real ImageNet TFRecords):
+  * NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md, "Training
+    performance results" (ResNet-50 v1.5, NGC 20.06-tf1, training_perf.sh: Horovod, tf.data input, no
+    DALI): DGX-1 (8x V100 16 GB): 3170 img/s FP32 + XLA (128/GPU), 9510 img/s AMP + XLA (256/GPU);
+    DGX A100 (8x A100 40 GB): 7000 img/s TF32 + XLA, 17400 img/s AMP + XLA (256/GPU).
+  * tf_cnn_benchmarks (tensorflow.org/performance/benchmarks, May 2017): ResNet-50 v1, DGX-1 8x P100,
+    FP32, 64/GPU, real data: 1630 img/s (no mixed-precision figures published there).
 NVIDIA's AMP runs use 256 images per GPU where this recipe uses 128 (the memory of a 16 GB V100 at
 float32); at float16 `--config.data.global_batch_size=2048 --config.data.max_per_replica_batch_size=256`
-matches them (the LR follows: 0.8).
+matches them (the LR follows: 0.8). Model Garden's GPU recipe (tensorflow/models
+official/vision/configs/experiments/image_classification/imagenet_resnet50_gpu.yaml) also trains
+float16 with dynamic loss scaling at a global batch of 2048 on a mirrored strategy.
 """
 
 from tfscale.config import base_config, gpu_variant
