@@ -231,29 +231,32 @@ def shard_counts(manifest) -> list[int]:
     return [s["num_examples"] for s in manifest["shards"]]
 
 
-def examples_assigned(counts: list[int], rank: int, workers: int, scheme: str, copies: int) -> int:
+def examples_assigned(counts: list[int], rank: int, workers: int, scheme: str, copies: int, level="auto") -> int:
     """Records worker `rank` reads in one pass over its share, from the manifest's shard sizes."""
-    if assignment.shard_level(len(counts), workers) == "file":
+    if assignment.shard_level(len(counts), workers, level) == "file":
         mine = assignment.assign(len(counts), rank=rank, num_workers=workers, scheme=scheme, copies=copies)
         return sum(counts[i] for i in mine)
     return sum(bool(assignment.worker_keeps(i, rank=rank, num_workers=workers, scheme=scheme, copies=copies))
                for i in range(sum(counts)))
 
 
-@pytest.mark.parametrize("level", ["file", "example"])
-@pytest.mark.parametrize("scheme,copies,expected_readers", [("disjoint", 1, 1), ("overlap", 2, 2), ("full", 3, 3)])
-def test_assignment_schemes_through_the_pipeline(data, level, scheme, copies, expected_readers):
+@pytest.mark.parametrize("level,layout", [("file", "six"), ("example", "two"), ("example", "six")])
+@pytest.mark.parametrize("scheme,copies,expected_readers", [
+    ("disjoint", 1, 1), ("overlap", 2, 2), ("full", 3, 3), ("medium_coarse", 2, 2), ("fine_grained", 2, 2)])
+def test_assignment_schemes_through_the_pipeline(data, level, layout, scheme, copies, expected_readers):
     workers = 3
-    data_dir = data["six"] if level == "file" else data["two"]
-    counts = shard_counts(data["manifests"][("six" if level == "file" else "two", "train")])
-    assert assignment.shard_level(len(counts), workers) == level
+    data_dir = data[layout]
+    counts = shard_counts(data["manifests"][(layout, "train")])
+    # Six files for 3 workers are assigned whole unless config.data.assignment_level asks for examples.
+    assert assignment.shard_level(len(counts), workers, level) == level
     # One pass = exactly the assigned number of records: read files one at a time (interleave_cycle=1),
     # without shuffle buffer and in a deterministic order, so nothing of the 2nd pass comes earlier.
-    cfg = data_config(data_dir, assignment=scheme, overlap_copies=copies, interleave_cycle=1, cache=False,
-                      shuffle_buffer=1, deterministic=True, global_batch_size=workers)  # 1 per replica
+    cfg = data_config(data_dir, assignment=scheme, copies=copies, interleave_cycle=1, cache=False,
+                      shuffle_buffer=1, deterministic=True, global_batch_size=workers,  # 1 per replica
+                      assignment_level=level)
     readers = collections.defaultdict(list)
     for rank in range(workers):
-        n = examples_assigned(counts, rank, workers, scheme, copies)
+        n = examples_assigned(counts, rank, workers, scheme, copies, level)
         ds = pipeline.train_input_fn(cfg, seed=0, start_step=0)(context(workers, rank))
         got = []
         for images, labels in ds.take(n).as_numpy_iterator():
@@ -464,7 +467,7 @@ def test_a_nodes_partial_copy_trains_like_the_full_dir(data, eight, tmp_path, sc
     src, manifest = eight
     workers = 4
     # Whole passes in a fixed order (as in the assignment test), one example per replica.
-    reading = dict(assignment=scheme, overlap_copies=copies, interleave_cycle=1, cache=False, shuffle_buffer=1,
+    reading = dict(assignment=scheme, copies=copies, interleave_cycle=1, cache=False, shuffle_buffer=1,
                    deterministic=True, global_batch_size=workers)
     for node in range(2):
         ranks = tuple(range(node * tasks_per_node, (node + 1) * tasks_per_node))

@@ -481,7 +481,7 @@ def test_cli_stages_a_nodes_share(src8, tmp_path):
     src_dir, _ = src8
     dest = str(tmp_path / "node1")
     done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_workers=4", "--worker_ranks=2-3",
-                    "--assignment=overlap", "--overlap_copies=2")
+                    "--assignment=overlap", "--copies=2")
     assert done.returncode == 0, done.stderr
     want = assigned_train_shards(8, (2, 3), 4, "overlap", 2)
     assert set(shard_files(dest)) == want | {"validation-00000-of-00002", "validation-00001-of-00002"}
@@ -502,14 +502,14 @@ def test_cli_takes_splits_and_assignment_from_the_training_config(src8, tmp_path
                       "    c.data.assignment = 'overlap'\n    c.data.eval_split = 'train'\n    return c\n")
     dest = str(tmp_path / "node0")
     done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_workers=4", "--worker_ranks=0",
-                    f"--config={config}", "--config.data.overlap_copies=3", "--config.optim.lr_per_256=0.2")
+                    f"--config={config}", "--config.data.copies=3", "--config.optim.lr_per_256=0.2")
     assert done.returncode == 0, done.stderr
     # eval_split=train: train is then also staged whole (the eval split is); no validation shards.
     assert shard_files(dest) == [f"train-{i:05d}-of-00008" for i in range(8)]
     dest = str(tmp_path / "node0b")
     config.write_text(config.read_text().replace("c.data.eval_split = 'train'", "c.data.eval_split = 'validation'"))
     done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_workers=4", "--worker_ranks=0",
-                    f"--config={config}", "--config.data.overlap_copies=3")
+                    f"--config={config}", "--config.data.copies=3")
     assert done.returncode == 0, done.stderr
     want = assigned_train_shards(8, (0,), 4, "overlap", 3)
     assert len(want) == 6

@@ -11,7 +11,7 @@ import tensorflow as tf
 from conftest import REPO, checkpoint_values, load_config, read_jsonl, stop_at_step
 
 from tfscale import config as tfs_config
-from tfscale import distribute, engine, launch, train
+from tfscale import distribute, engine, launch, local_sgd, train
 from tfscale.collectives import HorovodCollectives
 from tfscale.data import pipeline
 
@@ -75,9 +75,11 @@ def test_a_loop_ends_where_the_host_must_act():
     cfg = load_config("smoke", "--config.train.steps_per_loop=100", "--config.train.log_every_steps=7",
                       "--config.profile_steps=33,35")
     run = engine.Run(cfg=cfg, cluster=None, steps=tfs_config.to_steps(cfg), data_dir="")
+    plan = local_sgd.make_plan(cfg.distribute, num_replicas=1, steps_per_epoch=run.steps.steps_per_epoch,
+                               train_steps=run.steps.train_steps)
     ends, step = [], 0
     while step < run.steps.train_steps:
-        step = train._loop_end(run, step)
+        step = train._loop_end(run, step, plan)
         ends.append(step)
     # log rows every 7, checkpoints and epochs every 20, eval every 30, the profiler window 33..35, the end 60
     assert ends == [7, 14, 20, 21, 28, 30, 32, 35, 40, 42, 49, 56, 60]

@@ -25,15 +25,16 @@ from absl import logging
 class Checkpoints:
     """Restore-or-init, periodic and final saves, and the step counter of one run."""
 
-    def __init__(self, workdir: str, cluster, *, model, optimizer, every_steps: int, max_to_keep: int):
+    def __init__(self, workdir: str, cluster, *, model, optimizer, max_to_keep: int, extra: dict | None = None):
+        """`extra`: more variables to save by name (local SGD's sync counts)."""
         self.directory = os.path.join(workdir, "checkpoints")
         self.cluster = cluster
-        self.every_steps = every_steps
         with cluster.strategy.scope():
             # Keeps its checkpoint key "global_step", so checkpoints of earlier runs restore.
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-        self._state = [*model.variables, *optimizer.variables, self.step]
-        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, global_step=self.step)
+        extra = extra or {}
+        self._state = [*model.variables, *optimizer.variables, self.step, *extra.values()]
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, global_step=self.step, **extra)
         self._manager = self._make_manager(max_to_keep)
         self._last_saved_step = None
 
@@ -62,11 +63,6 @@ class Checkpoints:
             init()
         self.cluster.broadcast_from_chief(self._state)
         return int(self.step.numpy())
-
-    def save_if_due(self, global_step: int) -> None:
-        """The periodic save, every `every_steps` global steps."""
-        if global_step % self.every_steps == 0:
-            self.save(global_step)
 
     def save(self, global_step: int) -> None:
         """Saves `global_step` unless it is already saved; every worker calls it (it may be a collective)."""

@@ -10,11 +10,18 @@ environment (`distribute` passes it the horovod module).
 from __future__ import annotations
 
 import abc
+import itertools
 from typing import Any, Callable
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import collective_ops  # sub-group all-reduce; tf.distribute's API has none
+
+# Collective keys of household all-reduces under tf.distribute: far above the small group keys
+# MultiWorkerMirroredStrategy allocates from 1 upwards, so they never collide.
+_HOUSEHOLD_GROUP_KEY_BASE = 1 << 20
+_HOUSEHOLD_INSTANCE_KEY = 1 << 20
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 
@@ -49,6 +56,10 @@ class Collectives(abc.ABC):
         """Replica-context mean of each tensor."""
 
     @abc.abstractmethod
+    def mean_over_household(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Replica-context mean of each tensor over this replica's household (local SGD)."""
+
+    @abc.abstractmethod
     def sum_over_processes(self, tensor: tf.Tensor) -> tf.Tensor: ...
 
     @abc.abstractmethod
@@ -68,9 +79,13 @@ class StrategyCollectives(Collectives):
     saving_is_collective = True
     averages_gradients = False
 
-    def __init__(self, strategy: tf.distribute.Strategy, device_prefetch_batches: int = 1):
+    def __init__(self, strategy: tf.distribute.Strategy, device_prefetch_batches: int = 1, household_size: int = 0):
         self.strategy = strategy
         self.input_options = device_input_options(device_prefetch_batches)
+        self.household_size = household_size or strategy.num_replicas_in_sync  # replicas per household
+        # One instance key per traced call site, as MWMS allocates its own: every worker traces the
+        # same functions in the same order, so they agree on the keys.
+        self._household_instance_keys = itertools.count(_HOUSEHOLD_INSTANCE_KEY)
 
     def gradients_for_apply(self, grads):
         return grads  # Keras' apply_gradients sums them across replicas
@@ -93,6 +108,21 @@ class StrategyCollectives(Collectives):
 
     def mean_over_replicas(self, values):
         return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, values)
+
+    def mean_over_household(self, values):
+        if self.household_size == self.strategy.num_replicas_in_sync:
+            return self.mean_over_replicas(values)
+        # tf.distribute has no sub-group all-reduce in its API; its collective ops do (the ops MWMS
+        # itself runs), keyed by a group key the household's replicas share. The tensors travel as
+        # one flat vector: one all-reduce per call, as the strategy's own packing would do.
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        flat = tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in values], axis=0)
+        mean = collective_ops.all_reduce_v2(
+            flat, group_size=self.household_size,
+            group_key=_HOUSEHOLD_GROUP_KEY_BASE + tf.cast(replica, tf.int32) // self.household_size,
+            instance_key=next(self._household_instance_keys), merge_op="Add", final_op="Div")
+        pieces = tf.split(mean, [int(np.prod(v.shape)) for v in values])
+        return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, values)]
 
     def sum_over_processes(self, tensor):
         return tensor  # the strategy's `reduce` has summed over every worker already
@@ -125,8 +155,9 @@ class HorovodCollectives(Collectives):
     averages_gradients = True
 
     def __init__(self, hvd: Any, strategy: tf.distribute.Strategy | None, fp16_allreduce: bool = False,
-                 device_prefetch_batches: int = 1):
+                 device_prefetch_batches: int = 1, household=None):
         self.hvd = hvd  # the horovod.tensorflow module
+        self.household = household  # this rank's household as a Horovod process set (None: all ranks)
         self.strategy = strategy
         self.fp16_allreduce = fp16_allreduce  # gradients travel as float16
         self.input_options = device_input_options(device_prefetch_batches)
@@ -144,6 +175,11 @@ class HorovodCollectives(Collectives):
 
     def mean_over_replicas(self, values):
         return self.hvd.grouped_allreduce(values, op=self.hvd.Average)
+
+    def mean_over_household(self, values):
+        if self.household is None:
+            return self.mean_over_replicas(values)
+        return self.hvd.grouped_allreduce(values, op=self.hvd.Average, process_set=self.household)
 
     def sum_over_processes(self, tensor):
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)

@@ -25,7 +25,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from tfscale import logs, schedules
+from tfscale import local_sgd, logs, schedules
 from tfscale.data import assignment  # pure Python, like schedules: neither imports TensorFlow
 
 
@@ -108,8 +108,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.cache = False  # cache decoded-ready records in RAM (small datasets only)
     c.data.private_threads = 0  # tf.data private thread pool size; 0: share TensorFlow's
     c.data.ram_budget_mb = 0  # tf.data autotune RAM budget; 0: TensorFlow's default
-    c.data.assignment = "disjoint"  # disjoint | overlap | full: which data each worker reads
-    c.data.overlap_copies = 2  # overlap: copies of every example across workers (1 = disjoint, M = full)
+    c.data.assignment = "disjoint"  # disjoint | full | coarse | medium_coarse | fine_grained | overlap: which data each worker reads (docs/local_sgd.md)
+    c.data.copies = 2  # C, workers reading each example (coarse, medium_coarse, fine_grained, overlap; 1 = disjoint, M = full)
+    c.data.assignment_level = "auto"  # what the scheme assigns: auto (files, or examples when fewer files than workers) | file | example
     c.data.image_size = 224  # square training/eval resolution in pixels
     c.data.num_classes = 1000  # classes the model predicts 
     c.data.num_train_examples = 1_281_167  # examples per training epoch (ImageNet-1k train)
@@ -150,6 +151,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.steps_per_loop = 100  # steps inside one tf.function between host syncs (cut at log/eval/checkpoint steps)
     c.train.eval_every_epochs = 1.0  # evaluate this often (and always at the end)
     c.train.eval_steps = -1  # -1: the whole eval set once; >0: cap for quick checks
+    c.train.overlap_epochs = False  # True: train.epochs counts data passes; run ceil(epochs/C) passes of each worker's C*N/M examples
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_epochs = 1.0  # save this often (and at the end)
@@ -169,6 +171,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribute.horovod_fusion_bytes = 0  # horovod: tensor-fusion buffer, HOROVOD_FUSION_THRESHOLD (0: 128 MiB)
     c.distribute.horovod_cycle_time_ms = 0.0  # horovod: wait to fuse tensors, HOROVOD_CYCLE_TIME (0: Horovod's)
     c.distribute.horovod_fp16_allreduce = False  # horovod: send gradients as float16 (half the traffic)
+    c.distribute.sync = "gradients"  # gradients (all-reduce every step) | local_sgd (local steps, weights averaged every sync_period)
+    c.distribute.sync_period = 8  # local_sgd: L_W, steps between world syncs (one fused all-reduce of weights and slots)
+    c.distribute.sync_slots = True  # local_sgd: average optimizer slots (momentum, EMA) with the weights at each world sync
+    c.distribute.households = 0  # local_sgd: H groups of M/H workers averaging gradients inside (0: every worker alone)
+    c.distribute.household_period = 1  # local_sgd: L_H, steps between averages inside a household (1: gradients every step)
+    c.distribute.post_local_after_epochs = 0.0  # local_sgd: synchronous for these first epochs, local SGD after (post-local SGD)
 
     c.benchmark = ml_collections.ConfigDict()
     c.benchmark.mode = "train"  # train | synthetic | input
@@ -231,12 +239,25 @@ def eval_global_batch_size(data_cfg: ml_collections.ConfigDict) -> int:
     return data_cfg.eval_global_batch_size
 
 
-def to_steps(cfg: ml_collections.ConfigDict) -> Steps:
-    """Turns the epoch durations of `cfg` into step counts (train batches drop the remainder)."""
+def to_steps(cfg: ml_collections.ConfigDict, num_workers: int = 1) -> Steps:
+    """Turns the epoch durations of `cfg` into step counts (train batches drop the remainder).
+
+    `train.overlap_epochs` (the data-assignment study's accounting): with C copies of every example,
+    `train.epochs` = E passes over the data take ceil(E / C) overlap epochs, in each of which every
+    worker passes its C*N/M examples once (C*N/B steps), and eval comes every ceil(N/B) steps.
+    """
     steps_per_epoch = cfg.data.num_train_examples // cfg.data.global_batch_size
 
     def epochs_to_steps(epochs: float) -> int:
         return max(1, schedules.epochs_to_steps(epochs, steps_per_epoch))
+
+    train_steps, eval_every_steps = epochs_to_steps(cfg.train.epochs), epochs_to_steps(cfg.train.eval_every_epochs)
+    if cfg.train.overlap_epochs:
+        copies = assignment.num_copies(cfg.data.assignment, cfg.data.copies, num_workers)
+        steps_per_overlap_epoch = copies * cfg.data.num_train_examples // cfg.data.global_batch_size
+        train_steps = math.ceil(cfg.train.epochs / copies) * steps_per_overlap_epoch
+        eval_every_steps = max(1, round(cfg.train.eval_every_epochs
+                                        * math.ceil(cfg.data.num_train_examples / cfg.data.global_batch_size)))
 
     eval_batch = eval_global_batch_size(cfg.data)
     full_eval_steps = math.ceil(cfg.data.num_eval_examples / eval_batch)
@@ -244,8 +265,8 @@ def to_steps(cfg: ml_collections.ConfigDict) -> Steps:
     padding = full_eval_steps * eval_batch - cfg.data.num_eval_examples
     return Steps(
         steps_per_epoch=steps_per_epoch,
-        train_steps=epochs_to_steps(cfg.train.epochs),
-        eval_every_steps=epochs_to_steps(cfg.train.eval_every_epochs),
+        train_steps=train_steps,
+        eval_every_steps=eval_every_steps,
         checkpoint_every_steps=epochs_to_steps(cfg.checkpoint.every_epochs),
         eval_global_batch_size=eval_batch,
         eval_steps=eval_steps,
@@ -319,8 +340,13 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
     _require_choice("data.augment", cfg.data.augment, AUGMENTS)
     _require_choice("data.batch_augment", cfg.data.batch_augment, BATCH_AUGMENTS)
     _require_choice("data.assignment", cfg.data.assignment, assignment.SCHEMES)
-    if cfg.data.assignment == "overlap" and cfg.data.overlap_copies < 1:
-        raise ConfigError(f"config.data.overlap_copies must be >= 1, got {cfg.data.overlap_copies}")
+    _require_choice("data.assignment_level", cfg.data.assignment_level, assignment.LEVELS)
+    if cfg.data.copies < 1:
+        raise ConfigError(f"config.data.copies must be >= 1, got {cfg.data.copies}")
+    try:
+        local_sgd.check(cfg, num_replicas)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     _require_choice("precision", cfg.precision, PRECISIONS)
     _require_choice("distribute.backend", cfg.distribute.backend, BACKENDS)
     _require_choice("benchmark.mode", cfg.benchmark.mode, BENCHMARK_MODES)

@@ -46,7 +46,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfscale import logs
+from tfscale import local_sgd, logs
 from tfscale.collectives import Collectives, HorovodCollectives, InputFn, StrategyCollectives
 from tfscale.config import BACKENDS, HOROVOD_INSTALL_HINT
 # The Slurm side of reading the environment; re-exported, as callers know them as `distribute.<name>`.
@@ -128,6 +128,14 @@ class Cluster:
         for variable, average in zip(floats, self._collectives.mean_over_replicas(values)):
             variable.assign(average)
 
+    def mean_over_replicas(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each tensor averaged over every replica of the job, in one fused all-reduce (call inside a replica step)."""
+        return self._collectives.mean_over_replicas(values)
+
+    def mean_over_household(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each tensor averaged over this replica's household (`distribute.households`; call inside a replica step)."""
+        return self._collectives.mean_over_household(values)
+
     def sum_over_processes(self, tensor: tf.Tensor) -> tf.Tensor:
         """Sums a per-process value over all processes (a strategy's `reduce` already did for MWMS)."""
         return self._collectives.sum_over_processes(tensor)
@@ -185,8 +193,16 @@ def _strategy_cluster(dist_cfg: ml_collections.ConfigDict, strategy: tf.distribu
         local_rank=local_rank_from_env(env),
         num_replicas=strategy.num_replicas_in_sync,
         host=socket.gethostname(),
-        _collectives=StrategyCollectives(strategy, dist_cfg.device_prefetch_batches),
+        _collectives=StrategyCollectives(strategy, dist_cfg.device_prefetch_batches,
+                                         household_size=_household_size(dist_cfg, strategy.num_replicas_in_sync)),
     )
+
+
+def _household_size(dist_cfg: ml_collections.ConfigDict, num_replicas: int) -> int:
+    """Replicas per household under local SGD with households (tfscale.local_sgd); 0 without them."""
+    if dist_cfg.sync != "local_sgd" or num_replicas % local_sgd.num_households(dist_cfg.households, num_replicas):
+        return 0
+    return num_replicas // local_sgd.num_households(dist_cfg.households, num_replicas)
 
 
 def _multi_worker_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
@@ -207,8 +223,18 @@ def _horovod_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
         num_replicas=hvd.size(),
         host=socket.gethostname(),
         _collectives=HorovodCollectives(hvd, strategy, fp16_allreduce=dist_cfg.horovod_fp16_allreduce,
-                                        device_prefetch_batches=dist_cfg.device_prefetch_batches),
+                                        device_prefetch_batches=dist_cfg.device_prefetch_batches,
+                                        household=_horovod_household(hvd, dist_cfg)),
     )
+
+
+def _horovod_household(hvd, dist_cfg: ml_collections.ConfigDict):
+    """This rank's household as a Horovod process set (every rank registers all of them, in order), or None."""
+    size = _household_size(dist_cfg, hvd.size())
+    if size <= 1 or size == hvd.size():  # every rank alone (no household all-reduce), or all ranks
+        return None
+    households = [hvd.add_process_set(list(range(first, first + size))) for first in range(0, hvd.size(), size)]
+    return households[hvd.rank() // size]
 
 
 def _topology_line(cluster: Cluster) -> str:
@@ -404,6 +430,10 @@ def _horovod_environment(dist_cfg: ml_collections.ConfigDict, env: dict) -> dict
     return knobs
 
 
+def _wants_process_sets(dist_cfg: ml_collections.ConfigDict) -> bool:
+    return dist_cfg.sync == "local_sgd" and dist_cfg.households > 1
+
+
 def preflight_horovod(hvd) -> None:
     """Every rank contributes 1; anything but the rank count means the job is broken."""
     total = float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name="tfscale_preflight"))
@@ -420,7 +450,11 @@ def _init_horovod(dist_cfg: ml_collections.ConfigDict, env: dict) -> Any:
     if timeout_s:
         # Gloo aborts the process (SIGABRT) naming the missing rank numbers; this line says why.
         logging.info("horovod: waiting up to %s s for every rank at the rendezvous (distribute.connect_timeout_s)", timeout_s)
-    hvd.init()
+    if _wants_process_sets(dist_cfg):
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # households are registered once every rank is known
+        hvd.init(process_sets="dynamic")
+    else:
+        hvd.init()
     _pin_gpu(hvd.local_rank())
     preflight_horovod(hvd)
     return hvd

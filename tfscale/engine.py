@@ -54,7 +54,7 @@ def setup(cfg: ml_collections.ConfigDict) -> Run:
     data_dir = pipeline.prepare_data_dir(
         cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples
     )
-    return Run(cfg=cfg, cluster=cluster, steps=tfs_config.to_steps(cfg), data_dir=data_dir)
+    return Run(cfg=cfg, cluster=cluster, steps=tfs_config.to_steps(cfg, num_workers=cluster.size), data_dir=data_dir)
 
 
 # --- model and optimizer ----------------------------------------------------------------------------
@@ -112,18 +112,24 @@ def cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
     )
 
 
-def make_loss_and_grads(cfg, cluster, model, optimizer):
+def make_loss_and_grads(cfg, cluster, model, optimizer, *, local: bool = False):
     """`loss_and_grads(images, labels) -> (loss share, gradients)` of one replica: forward + backward only.
 
     With `optim.grad_accum_steps = k` the replica's batch is cut into k micro-batches whose gradients
     are summed (`accumulate`); each micro-batch's loss is normalised by the global batch, so the sum is
-    the gradient of the global-batch mean exactly as with k = 1.
+    the gradient of the global-batch mean exactly as with k = 1. `local` (local SGD): the gradient of
+    this replica's own batch mean, which it applies without any reduction.
     """
     global_batch_size = cfg.data.global_batch_size
     micro_batches = cfg.optim.grad_accum_steps
     # Weight decay belongs to the update, not to a micro-batch: each adds its k-th part.
     weight_decay = optim.loss_weight_decay(cfg.optim) / micro_batches
-    loss_batch_size = cluster.loss_batch_size(global_batch_size)
+    if local:
+        loss_batch_size = global_batch_size // cluster.num_replicas
+    else:
+        loss_batch_size = cluster.loss_batch_size(global_batch_size)
+    # tf.distribute divides the regularizer by the replicas whose gradients it will sum; a local step sums none.
+    scale_regularization = (lambda loss: loss) if local else tf.nn.scale_regularization_loss
 
     def loss_and_grads(images, labels):
         with tf.GradientTape() as tape:
@@ -132,7 +138,7 @@ def make_loss_and_grads(cfg, cluster, model, optimizer):
             # Normalised so that the backend's gradient reduction yields the global-batch mean.
             objective = tf.nn.compute_average_loss(per_example, global_batch_size=loss_batch_size)
             if weight_decay:
-                objective += tf.nn.scale_regularization_loss(optim.l2_loss(model.trainable_variables, weight_decay))
+                objective += scale_regularization(optim.l2_loss(model.trainable_variables, weight_decay))
             scaled = optimizer.scale_loss(objective)
         # This replica's share of the global mean loss: the shares sum to it over all replicas.
         loss_share = tf.reduce_sum(per_example) / global_batch_size
@@ -221,6 +227,100 @@ def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learni
         return losses.stack(), stopping
 
     return train_loop
+
+
+# --- local SGD (tfscale.local_sgd decides when; these functions are the steps and the syncs) -------------
+
+
+def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learning_rate=None,
+                          household_gradients: bool = False):
+    """`make_train_loop`'s local-SGD twin: every replica applies its own gradients (or its household's mean).
+
+    The update is applied outside `strategy.run`, where Keras' `apply_gradients` finds no replica
+    context of the strategy to all-reduce in: each worker's variables take its own step. That holds
+    for one replica per worker process (`check_local_replicas`): a worker's several replicas would
+    all take the first one's step. The loss and the stop flag still travel as one 2-float all-reduce
+    per step, for the logs and for stopping together.
+    """
+    loss_and_grads = make_loss_and_grads(cfg, cluster, model, optimizer, local=True)
+    strategy = cluster.strategy
+    batch_norm_state = [v for v in model.non_trainable_variables if keras.backend.is_float_dtype(v.dtype)]
+
+    def replica_grads(images, labels, stop_requested):
+        loss_share, grads = loss_and_grads(images, labels)
+        if household_gradients:
+            # A household trains synchronously: gradients and BatchNorm statistics averaged inside
+            # it every step (one all-reduce for both), as the whole job does without local SGD.
+            state = [tf.identity(v.value) for v in batch_norm_state]
+            averaged = cluster.mean_over_household([*grads, *state])
+            grads = averaged[:len(grads)]
+            for variable, value in zip(batch_norm_state, averaged[len(grads):]):
+                variable.assign(value)
+        return tf.stack([loss_share, stop_requested]), grads
+
+    @tf.function
+    def train_loop(iterator, stop_requested, num_steps):
+        losses = tf.TensorArray(tf.float32, size=num_steps)
+        stopping = tf.constant(0.0)
+        for i in tf.range(num_steps):
+            if learning_rate is not None:
+                optimizer.learning_rate.assign(learning_rate(step))
+            loss_and_stop, grads = strategy.run(replica_grads, args=(*next(iterator), stop_requested))
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            reduced = cluster.sum_over_processes(strategy.reduce(tf.distribute.ReduceOp.SUM, loss_and_stop, axis=None))
+            loss, stopping = tf.unstack(reduced)
+            step.assign_add(1)
+            losses = losses.write(i, loss)
+        return losses.stack(), stopping
+
+    return train_loop
+
+
+def check_local_replicas(cluster) -> None:
+    """Local SGD runs one replica per worker process (one GPU per task, or Horovod's one rank per GPU)."""
+    if cluster.num_replicas != cluster.size:
+        raise tfs_config.ConfigError(
+            f"config.distribute.sync='local_sgd' needs one replica per worker process, but {cluster.size} process(es) "
+            f"run {cluster.num_replicas} replicas (backend {cluster.backend!r}): start one task per GPU (Slurm "
+            "--ntasks-per-node = GPUs per node) with backend mwms, or use backend horovod")
+
+
+def synced_state(model, optimizer, *, sync_slots: bool) -> list:
+    """What a local-SGD sync averages: weights, BatchNorm statistics and (`sync_slots`) the optimizer's
+    per-variable slots (momentum), not its step count or learning rate, which every worker shares."""
+    state = [v for v in model.variables if keras.backend.is_float_dtype(v.dtype)]
+    if sync_slots:
+        state += [v for v in optimizer.variables if keras.backend.is_float_dtype(v.dtype)
+                  and v.path.rsplit("/", 1)[-1] not in ("iteration", "learning_rate")]
+    return state
+
+
+def make_state_sync(cluster, variables, *, household: bool, counter: tf.Variable):
+    """`sync()`: `variables` averaged over all replicas (world sync) or over each household, in one
+    fused all-reduce; `counter` counts the calls (checkpointed, so the count survives a resume)."""
+    strategy = cluster.strategy
+    mean = cluster.mean_over_household if household else cluster.mean_over_replicas
+
+    def replica_mean():
+        return mean([tf.identity(_tf_variable(v)) for v in variables])  # this replica's copies
+
+    @tf.function
+    def sync():
+        means = strategy.run(replica_mean)
+        with strategy.scope():
+            for variable, value in zip(variables, means):
+                strategy.extended.update(_tf_variable(variable), _assign, args=(value,), group=False)
+        counter.assign_add(1)
+
+    return sync
+
+
+def _tf_variable(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _assign(variable, value):
+    return variable.assign(value)
 
 
 # --- evaluation -------------------------------------------------------------------------------------

@@ -24,13 +24,14 @@ import time
 
 import keras
 import ml_collections
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tfscale import callbacks as tfs_callbacks
-from tfscale import checkpoints, ema, engine, init_from, io, schedules
+from tfscale import checkpoints, ema, engine, init_from, io, local_sgd, schedules
 from tfscale import config as tfs_config
-from tfscale.data import pipeline
+from tfscale.data import assignment, pipeline
 
 # Exit code after SIGTERM: the checkpoint is saved, rerun the same command (requeue) to resume.
 # 75 is sysexits' EX_TEMPFAIL ("temporary failure; the user is invited to retry").
@@ -67,9 +68,15 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
 def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threading.Event) -> dict:
     """Builds the model, restores or initialises it, trains to the end, evaluates, writes the summary."""
     cfg, steps = run.cfg, run.steps
+    assigned = pipeline.assignment_report(cfg.data, run.data_dir, run.cluster.size)
+    if assigned:
+        logging.info(assignment.describe(assigned))
     model, optimizer = engine.build_model_and_optimizer(cfg, run.cluster)
+    plan = local_sgd.make_plan(cfg.distribute, num_replicas=run.cluster.num_replicas,
+                               steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps)
+    sync_counts = _sync_counters(run, plan)
     ckpts = checkpoints.Checkpoints(workdir, run.cluster, model=model, optimizer=optimizer,
-                                    every_steps=steps.checkpoint_every_steps, max_to_keep=cfg.checkpoint.max_to_keep)
+                                    max_to_keep=cfg.checkpoint.max_to_keep, extra=sync_counts)
     # config.model.init_from applies to a fresh run only: resuming wins over it.
     start_step = ckpts.restore_or_init(lambda: init_from.apply(cfg, model, engine.build_model))
     summary_path = os.path.join(workdir, "summary.json")
@@ -85,17 +92,21 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     learning_rate = _learning_rate_callback(run)
     callback_list = _callback_list(run, workdir, model, learning_rate, logger, extra_callbacks)
     run_eval = _evaluator(run, model, callback_list)
-    train_loop = engine.make_train_loop(cfg, run.cluster, model, optimizer, step=ckpts.step,
-                                        learning_rate=learning_rate.device_schedule)
+    loops = _Loops(run, plan, model, optimizer, ckpts.step, learning_rate.device_schedule, sync_counts)
     start_time = time.time()
-    eval_results = _train_loop(run, model, train_loop, ckpts, callback_list, run_eval, stop_requested, start_step)
+    eval_results = _train_loop(run, model, loops, ckpts, callback_list, run_eval, stop_requested, start_step)
     final_step = int(ckpts.step.numpy())
+    if not plan.in_agreement(final_step):  # stopped by a callback between world syncs
+        loops.world_sync()
     ckpts.save(final_step)
     callback_list.on_train_end({"global_step": final_step})
     ckpts.close()
     if not eval_results:  # stopped early by a callback, or resumed at the end without a summary
         eval_results = run_eval(final_step)
     summary = _summary(run, final_step, time.time() - start_time, logger, eval_results)
+    summary.update(loops.report(final_step))
+    if assigned:
+        summary["assignment"] = assigned
     if run.cluster.is_chief:
         io.write_json(summary_path, summary, sort_keys=True)
         logging.info("done: %s; workdir %s", json.dumps(summary), os.path.abspath(workdir))
@@ -162,7 +173,69 @@ def _evaluator(run: engine.Run, model, callback_list):
     return run_eval
 
 
-def _train_loop(run, model, train_loop, ckpts, callback_list, run_eval, stop_requested, start_step: int) -> dict:
+def _sync_counters(run: engine.Run, plan: local_sgd.SyncPlan) -> dict[str, tf.Variable]:
+    """Local SGD's counts of weight all-reduces, checkpointed with the run (none without local SGD)."""
+    if not plan.local:
+        return {}
+    with run.cluster.strategy.scope():
+        return {name: tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
+                for name in ("world_syncs", "household_syncs")}
+
+
+class _Loops:
+    """The compiled loops of a run and local SGD's syncs between them (tfscale.local_sgd decides when)."""
+
+    def __init__(self, run: engine.Run, plan: local_sgd.SyncPlan, model, optimizer, step, learning_rate, counts):
+        cfg, cluster = run.cfg, run.cluster
+        self.plan, self.counts = plan, counts
+        self.synchronous = engine.make_train_loop(cfg, cluster, model, optimizer, step=step, learning_rate=learning_rate)
+        if not plan.local:
+            return
+        engine.check_local_replicas(cluster)
+        self.local = engine.make_local_train_loop(cfg, cluster, model, optimizer, step=step, learning_rate=learning_rate,
+                                                  household_gradients=plan.household_gradients)
+        self.state = engine.synced_state(model, optimizer, sync_slots=cfg.distribute.sync_slots)
+        self.world_sync = engine.make_state_sync(cluster, self.state, household=False, counter=counts["world_syncs"])
+        self.household_sync = engine.make_state_sync(cluster, self.state, household=True,
+                                                     counter=counts["household_syncs"])
+        self.values_per_sync = sum(int(np.prod(v.shape)) for v in self.state)
+        logging.info("local SGD: world sync every %d steps (%s) from step %d, %s; a sync averages %d values in one "
+                     "all-reduce", plan.sync_period, "weights, BatchNorm statistics"
+                     + (" and optimizer slots" if cfg.distribute.sync_slots else ""), plan.local_from_step,
+                     _households_text(plan), self.values_per_sync)
+
+    def loop_for(self, step: int):
+        """The loop that runs the steps starting at `step`."""
+        return self.local if self.plan.is_local(step) else self.synchronous
+
+    def after(self, step: int) -> None:
+        """The sync due after the step ending at `step`, if any."""
+        if self.plan.world_sync_due(step):
+            self.world_sync()
+        elif self.plan.household_sync_due(step):
+            self.household_sync()
+
+    def report(self, final_step: int) -> dict:
+        """Summary figures of the communication local SGD did; logged as well."""
+        if not self.plan.local:
+            return {}
+        world, household = (int(self.counts[name].numpy()) for name in ("world_syncs", "household_syncs"))
+        local_steps = max(0, final_step - self.plan.local_from_step)
+        logging.info("local SGD: %d world syncs (weight all-reduces of %d values) and %d household syncs in %d local "
+                     "steps; %d synchronous steps before them", world, self.values_per_sync, household, local_steps,
+                     min(final_step, self.plan.local_from_step))
+        return {"world_syncs": world, "household_syncs": household, "local_steps": local_steps}
+
+
+def _households_text(plan: local_sgd.SyncPlan) -> str:
+    if plan.households == plan.num_replicas:
+        return "every worker on its own between syncs"
+    inside = ("household gradients averaged every step" if plan.household_gradients
+              else f"household weights averaged every {plan.household_period} steps")
+    return f"{plan.households} households of {plan.num_replicas // plan.households} workers ({inside})"
+
+
+def _train_loop(run, model, loops: _Loops, ckpts, callback_list, run_eval, stop_requested, start_step: int) -> dict:
     """Loops of steps from `start_step` to the end (or a callback's stop); returns the last eval's metrics.
 
     Each loop runs on device up to the next step where the host must act (`_loop_end`), then the
@@ -171,7 +244,7 @@ def _train_loop(run, model, train_loop, ckpts, callback_list, run_eval, stop_req
     and losses as with one step per loop. A loop's first `on_train_batch_begin` comes before it runs
     (the profiler starts there); the others, like every `on_train_batch_end`, after.
     """
-    steps = run.steps
+    steps, plan = run.steps, loops.plan
     iterator = iter(engine.train_dataset(run, start_step))
     eval_results = {}
     callback_list.on_train_begin({"global_step": start_step})
@@ -181,16 +254,20 @@ def _train_loop(run, model, train_loop, ckpts, callback_list, run_eval, stop_req
         if first_batch == 0:
             callback_list.on_epoch_begin(epoch)
         callback_list.on_train_batch_begin(first_batch, {"global_step": step})
-        loop_end = _loop_end(run, step)
-        losses, workers_stopping = _run_loop(run, train_loop, iterator, stop_requested, loop_end - step)
+        loop_end = _loop_end(run, step, plan)
+        losses, workers_stopping = _run_loop(run, loops.loop_for(step), iterator, stop_requested, loop_end - step)
+        loops.after(loop_end)  # before the callbacks, so that they see the weights the workers agree on
         _replay_batches(callback_list, step, first_batch, losses)
         step = loop_end
-        if workers_stopping:  # every worker learns it at the same step: they save together
+        # Under local SGD workers agree on the weights only right after a world sync: checkpoints,
+        # evals and preemption stops wait for one.
+        if workers_stopping and plan.in_agreement(step):  # every worker learns it at the same step: they save together
             ckpts.save(step)
             ckpts.close()
             raise Preempted(step)
-        ckpts.save_if_due(step)
-        if step % steps.eval_every_steps == 0 or step == steps.train_steps:
+        if plan.due(step, steps.checkpoint_every_steps):
+            ckpts.save(step)
+        if plan.due(step, steps.eval_every_steps) or step == steps.train_steps:
             eval_results = run_eval(step)
         if step % steps.steps_per_epoch == 0:
             callback_list.on_epoch_end(epoch, {"loss": losses[-1]})
@@ -199,9 +276,10 @@ def _train_loop(run, model, train_loop, ckpts, callback_list, run_eval, stop_req
     return eval_results
 
 
-def _loop_end(run: engine.Run, step: int) -> int:
+def _loop_end(run: engine.Run, step: int, plan: local_sgd.SyncPlan) -> int:
     """Where the loop starting at `step` ends: after `train.steps_per_loop` steps, or earlier at the
-    next step where the host acts (a log row, eval, checkpoint, epoch end, profiler window edge)."""
+    next step where the host acts (a log row, eval, checkpoint, epoch end, profiler window edge, a
+    local-SGD sync or the switch to local SGD)."""
     cfg, steps = run.cfg, run.steps
     periods = (cfg.train.steps_per_loop, cfg.train.log_every_steps, steps.eval_every_steps,
                steps.checkpoint_every_steps, steps.steps_per_epoch)
@@ -209,7 +287,7 @@ def _loop_end(run: engine.Run, step: int) -> int:
     window = tfs_config.profile_window(cfg.profile_steps)  # 1-based steps: the trace starts before `first`
     if window is not None:
         boundaries += [edge for edge in (window[0] - 1, window[1]) if edge > step]
-    return min(*boundaries, steps.train_steps)
+    return min(*boundaries, *plan.next_boundaries(step), steps.train_steps)
 
 
 def _run_loop(run: engine.Run, train_loop, iterator, stop_requested: threading.Event, num_steps: int):
@@ -273,10 +351,10 @@ def _watch_sigterm() -> tuple[threading.Event, callable]:
     return requested, lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def main(cfg: ml_collections.ConfigDict, workdir: str) -> None:
+def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> None:
     """The CLI's work: train, and turn a preemption into its documented exit code."""
     try:
-        train_and_evaluate(cfg, workdir)
+        train_and_evaluate(cfg, workdir, extra_callbacks)
     except Preempted as preempted:
         logging.warning("%s; exit code %d", preempted, EXIT_PREEMPTED)
         sys.exit(EXIT_PREEMPTED)

@@ -3,7 +3,7 @@ r"""Copy TFRecord shards from the shared file system to node-local storage befor
 
     python tools/stage_data.py --src_dir=/shared/tfrecords [--dest_dir=$TMPDIR/tfscale_data] \
         [--splits=train,validation] [--files=train-00000-of-01024,...] [--verify=sha256|size] \
-        [--num_workers=W --worker_ranks=0-3 [--assignment=disjoint|overlap|full] [--overlap_copies=C]] \
+        [--num_workers=W --worker_ranks=0-3 [--assignment=disjoint|full|coarse|medium_coarse|fine_grained|overlap] [--copies=C]] \
         [--config=configs/r50_32gpu.py [--config.data.assignment=...]] \
         [--lock_timeout_s=3600] [--num_threads=4] [--progress_every_s=30]
 

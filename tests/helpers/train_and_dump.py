@@ -2,13 +2,16 @@
 
     python tests/helpers/train_and_dump.py WEIGHTS.npz --config=... --workdir=... [--config.x=y ...]
 
-Every worker writes its own file (and WEIGHTS_init.npz before the first step), so tests can compare the weights each worker ends up with
+Every worker writes its own file (and WEIGHTS_init.npz before the first step, WEIGHTS_steps.json: a digest of
+its weights after every step), so tests can compare the weights each worker ends up with
 (the chief's checkpoint alone cannot show that the workers agree). `{rank}` in WEIGHTS.npz becomes the
 Horovod rank, for launchers (horovodrun, mpirun) that start every rank with the same arguments.
 `--freeze_bn` (first after WEIGHTS.npz) trains with BatchNorm frozen: no batch-size dependence left,
 so runs that split a batch differently (gradient accumulation) must compute the same update.
 """
 
+import hashlib
+import json
 import os
 import sys
 
@@ -23,12 +26,21 @@ class DumpWeights(keras.callbacks.Callback):
     def __init__(self, path):
         super().__init__()
         self.path = path
+        self.digests = {}
 
     def on_train_begin(self, logs=None):
         np.savez(self.path.replace(".npz", "_init.npz"), *[v.numpy() for v in self.model.weights])
 
+    def on_train_batch_end(self, batch, logs=None):
+        # A digest of this worker's weights after each step (with train.steps_per_loop=1, exactly that
+        # step's): tests compare workers bit for bit between and after local-SGD syncs.
+        digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in self.model.weights)).hexdigest()
+        self.digests[int(logs["global_step"])] = digest
+
     def on_train_end(self, logs=None):
         np.savez(self.path, *[v.numpy() for v in self.model.weights])
+        with open(self.path.replace(".npz", "_steps.json"), "w") as f:
+            json.dump(self.digests, f)
 
 
 def build_model_with_frozen_bn(cfg, build_model=engine.build_model):
@@ -40,11 +52,12 @@ def build_model_with_frozen_bn(cfg, build_model=engine.build_model):
 
 
 def main(cfg, workdir):
-    train.train_and_evaluate(cfg, workdir, extra_callbacks=[DumpWeights(OUTPUT)])
+    train.main(cfg, workdir, extra_callbacks=[DumpWeights(OUTPUT)])  # SIGTERM: exit code 75, as the CLI
 
 
 if __name__ == "__main__":
-    RANK = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    TASK = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)  # MWMS via tfscale.launch
+    RANK = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", str(TASK)))
     OUTPUT = sys.argv.pop(1).replace("{rank}", RANK)
     if sys.argv[1] == "--freeze_bn":
         sys.argv.pop(1)

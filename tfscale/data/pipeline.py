@@ -189,9 +189,9 @@ def _keep_indices(ds: tf.data.Dataset, keep: Callable) -> tf.data.Dataset:
 def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tf.data.Dataset:
     """This worker's serialized records, endlessly, in shuffled file order."""
     rank, workers = input_context.input_pipeline_id, input_context.num_input_pipelines
-    scheme = dict(scheme=data_cfg.assignment, copies=data_cfg.overlap_copies, num_workers=workers)
-    assignment.check(data_cfg.assignment, data_cfg.overlap_copies, workers)
-    if assignment.shard_level(len(files), workers) == "file":
+    scheme = dict(scheme=data_cfg.assignment, copies=data_cfg.copies, num_workers=workers)
+    assignment.check(data_cfg.assignment, data_cfg.copies, workers)
+    if assignment.shard_level(len(files), workers, data_cfg.assignment_level) == "file":
         mine = [files[i] for i in assignment.assign(len(files), rank=rank, **scheme)]
         require_present(mine, os.path.dirname(mine[0]), f"worker {rank} of {workers} reads")
         ds = tf.data.Dataset.from_tensor_slices(mine)
@@ -207,12 +207,32 @@ def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tf.
         # its examples; the fixed order is what makes example indices agree across workers.
         require_present(files, os.path.dirname(files[0]), f"every worker of {workers} reads")
         ds = tf.data.TFRecordDataset(files, buffer_size=_READ_BUFFER_BYTES)
-        ds = _keep_indices(ds, lambda i: assignment.worker_keeps(i, rank=rank, **scheme))
+        keep = tf.constant(assignment.pattern(rank=rank, **scheme))  # periodic: item i kept iff keep[i % period]
+        ds = _keep_indices(ds, lambda i: tf.gather(keep, i % tf.size(keep, out_type=tf.int64)))
         if not data_cfg.cache:
             ds = ds.repeat()
     if data_cfg.cache:
         ds = ds.cache().repeat()
     return ds
+
+
+def assignment_report(data_cfg: ml_collections.ConfigDict, data_dir: str, num_workers: int) -> dict | None:
+    """`assignment.report` of this run's training data (None for synthetic and TFDS input).
+
+    Whole files are assigned when there are enough of them: then the figures count files, and
+    examples per worker are the files' share of `data.num_train_examples`.
+    """
+    if data_cfg.dataset != "tfrecord":
+        return None
+    num_files = len(list_shards(data_dir, data_cfg.train_split))
+    scheme = dict(num_workers=num_workers, scheme=data_cfg.assignment, copies=data_cfg.copies)
+    if assignment.shard_level(num_files, num_workers, data_cfg.assignment_level) == "example":
+        return assignment.report(data_cfg.num_train_examples, **scheme, item="examples")
+    summary = assignment.report(num_files, **scheme, item="files")
+    per_file = data_cfg.num_train_examples / num_files
+    summary["examples_per_worker_min"] = round(summary["items_per_worker_min"] * per_file)
+    summary["examples_per_worker_max"] = round(summary["items_per_worker_max"] * per_file)
+    return summary
 
 
 def _tfds_records(data_cfg, split: str, input_context, *, seed: int, shuffle_files: bool):
@@ -280,7 +300,8 @@ def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples:
         readers = None
         # Evaluating on the train split reads every file of it on every worker: then stage it whole.
         if worker_ranks is not None and data_cfg.eval_split != data_cfg.train_split:
-            readers = stage.Readers(tuple(worker_ranks), num_workers, data_cfg.assignment, data_cfg.overlap_copies)
+            readers = stage.Readers(tuple(worker_ranks), num_workers, data_cfg.assignment, data_cfg.copies,
+                                    data_cfg.assignment_level)
         data_dir = stage.stage(data_dir, data_cfg.stage_dir, splits=(data_cfg.train_split, data_cfg.eval_split),
                                train_split=data_cfg.train_split, readers=readers).dest_dir
     for split, num_examples in ((data_cfg.train_split, num_train_examples), (data_cfg.eval_split, num_eval_examples)):

@@ -2,7 +2,7 @@
 
     python tools/stage_data.py --src_dir=/lustre/imagenet/tfrecords [--dest_dir=$TMPDIR/tfscale_data] \
         [--splits=train,validation] [--verify=sha256|size] \
-        [--num_workers=8 --worker_ranks=0-3 [--assignment=disjoint|overlap|full --overlap_copies=2]] \
+        [--num_workers=8 --worker_ranks=0-3 [--assignment=coarse|... --copies=2]] \
         [--config=configs/r50_32gpu.py --config.data.assignment=...]   # splits and assignment from it
 
 Reading 140 GB of ImageNet shards from a parallel file system every epoch, from every node, loads the
@@ -211,9 +211,9 @@ def stage(src_dir: str, dest_dir: str, *, splits: Iterable[str] = ("train", "val
 
 
 _FLAG_NAMES = ("src_dir", "dest_dir", "splits", "files", "train_split", "num_workers", "worker_ranks", "assignment",
-               "overlap_copies", "config", "verify", "lock_timeout_s", "num_threads", "progress_every_s")
+               "copies", "config", "verify", "lock_timeout_s", "num_threads", "progress_every_s")
 # What --config decides (from config.data); giving one of these flags as well would be two answers.
-_CONFIG_DECIDES = ("splits", "train_split", "assignment", "overlap_copies")
+_CONFIG_DECIDES = ("splits", "train_split", "assignment", "copies")
 
 
 def _define_flags() -> None:
@@ -232,7 +232,7 @@ def _define_flags() -> None:
     flags.DEFINE_string("worker_ranks", None, "This node's training workers, e.g. 0,1,2,3 or 0-3: only the train "
                         "shards they read are staged. Default: every shard.")
     flags.DEFINE_enum("assignment", "disjoint", assignment.SCHEMES, "config.data.assignment of the training run.")
-    flags.DEFINE_integer("overlap_copies", 2, "config.data.overlap_copies of the training run (assignment=overlap).")
+    flags.DEFINE_integer("copies", 2, "config.data.copies of the training run (coarse, medium_coarse, fine_grained, overlap).")
     config_flags.DEFINE_config_file("config", None, "The training config (+ its --config.* overrides): splits and "
                                     "assignment come from its data section instead of the flags above.")
     flags.DEFINE_enum("verify", "sha256", VERIFY_MODES, "sha256: size and hash against the manifest; "
@@ -247,7 +247,7 @@ def _define_flags() -> None:
 
 def _selection(f) -> tuple[list[str], str | None, Readers | None]:
     """(splits, train split, readers) from the flags, or from --config's data section."""
-    splits, train_split, scheme, copies = f.splits, f.train_split, f.assignment, f.overlap_copies
+    splits, train_split, scheme, copies, level = f.splits, f.train_split, f.assignment, f.copies, "auto"
     if f.config is not None:
         both = [f"--{name}" for name in _CONFIG_DECIDES if f[name].present]
         if both:
@@ -255,7 +255,7 @@ def _selection(f) -> tuple[list[str], str | None, Readers | None]:
                                  "for training, so drop the flags (or override --config.data.*)")
         data = f.config.data
         splits, train_split = list(dict.fromkeys([data.train_split, data.eval_split])), data.train_split
-        scheme, copies = data.assignment, data.overlap_copies
+        scheme, copies, level = data.assignment, data.copies, data.assignment_level
         if data.eval_split == data.train_split:
             train_split = None  # every worker evaluates from every file of it: no per-worker share
     if (f.num_workers is None) != (f.worker_ranks is None):
@@ -264,7 +264,7 @@ def _selection(f) -> tuple[list[str], str | None, Readers | None]:
         return splits, train_split, None
     if f.files is not None:
         raise app.UsageError("--files names exactly what to stage: it takes no --num_workers/--worker_ranks")
-    return splits, train_split, Readers(parse_ranks(f.worker_ranks), f.num_workers, scheme, copies)
+    return splits, train_split, Readers(parse_ranks(f.worker_ranks), f.num_workers, scheme, copies, level)
 
 
 def _stage_from_flags(f: flags.FlagValues) -> None:

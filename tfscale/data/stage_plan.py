@@ -38,7 +38,8 @@ class Readers:
     ranks: tuple[int, ...]  # the node's workers (input pipeline ids)
     num_workers: int  # workers of the whole job
     scheme: str = "disjoint"  # config.data.assignment
-    copies: int = 1  # config.data.overlap_copies (scheme "overlap")
+    copies: int = 1  # config.data.copies
+    level: str = "auto"  # config.data.assignment_level
 
     def __post_init__(self):
         assignment.check(self.scheme, self.copies, self.num_workers)
@@ -50,7 +51,7 @@ class Readers:
 
     def file_indices(self, num_files: int) -> list[int]:
         """Sorted indices of the files these workers read, as tfscale.data.pipeline assigns them."""
-        if assignment.shard_level(num_files, self.num_workers) == "example":
+        if assignment.shard_level(num_files, self.num_workers, self.level) == "example":
             return list(range(num_files))  # fewer files than workers: every worker reads every file
         indices = set()
         for rank in self.ranks:
