@@ -268,3 +268,14 @@ def test_template_drift_is_an_error():
     with pytest.raises(make_sbatch.UsageError, match="no WORKDIR in its EDIT HERE block"):
         make_sbatch.render_edit_block(["# ===== EDIT HERE =====", 'CONFIG=""', "# ====="],
                                       {"CONFIG": '"x"', "WORKDIR": '"y"'})
+
+
+def test_gpu_variant_gets_its_own_job_name_and_workdir(tmp_path, shards):
+    # An AMP job next to the float32 one must not resume from the float32 run's checkpoints.
+    common = ["--nodes=1", "--gpus_per_node=4", "--backend=mwms", f"--data_dir={shards}", R50_ON_4_GPUS]
+    plain = generate(tmp_path, f"--config={R50_32GPU}", *common, name="plain.sbatch")
+    amp = generate(tmp_path, f"--config={R50_32GPU}:amp", *common, name="amp.sbatch")
+    assert "#SBATCH --job-name=tfscale-r50_32gpu-mwms" in sbatch_lines(plain)
+    assert "#SBATCH --job-name=tfscale-r50_32gpu_amp-mwms" in sbatch_lines(amp)
+    workdirs = [edit_block_values(tmp_path / name, "WORKDIR")["WORKDIR"] for name in ("plain.sbatch", "amp.sbatch")]
+    assert [os.path.basename(w) for w in workdirs] == ["r50_32gpu", "r50_32gpu_amp"]

@@ -176,7 +176,11 @@ def check_config(cfg, nodes: int, tasks: int) -> None:
 
 
 def config_name(path: str) -> str:
-    return os.path.splitext(os.path.basename(path))[0]
+    """`configs/r50_32gpu.py` -> r50_32gpu; `configs/r50_32gpu.py:amp` -> r50_32gpu_amp, so that the GPU
+    variant's default job name and workdir are not the float32 recipe's."""
+    path, _, variant = path.partition(":")
+    name = os.path.splitext(os.path.basename(path))[0]
+    return f"{name}_{variant}" if variant else name
 
 
 def sbatch_options(args: argparse.Namespace, tasks: int) -> dict[str, str | None]:
