@@ -214,6 +214,16 @@ def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learni
     """
     replica_step = make_replica_step(cfg, cluster, model, optimizer)
 
+    def global_step(iterator, stop_requested):
+        return run_replica_step(cluster, replica_step, *next(iterator), stop_requested)
+
+    return _compiled_loop(global_step, optimizer, step, learning_rate)
+
+
+def _compiled_loop(global_step, optimizer, step: tf.Variable, learning_rate):
+    """`train_loop(iterator, stop_requested, num_steps)` running `global_step` (-> [mean loss, replicas
+    stopping]) `num_steps` times in one tf.function, the LR set before and `step` advanced after each."""
+
     @tf.function
     def train_loop(iterator, stop_requested, num_steps):
         losses = tf.TensorArray(tf.float32, size=num_steps)
@@ -221,7 +231,7 @@ def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learni
         for i in tf.range(num_steps):
             if learning_rate is not None:
                 optimizer.learning_rate.assign(learning_rate(step))
-            loss, stopping = tf.unstack(run_replica_step(cluster, replica_step, *next(iterator), stop_requested))
+            loss, stopping = tf.unstack(global_step(iterator, stop_requested))
             step.assign_add(1)
             losses = losses.write(i, loss)
         return losses.stack(), stopping
@@ -258,22 +268,12 @@ def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, 
                 variable.assign(value)
         return tf.stack([loss_share, stop_requested]), grads
 
-    @tf.function
-    def train_loop(iterator, stop_requested, num_steps):
-        losses = tf.TensorArray(tf.float32, size=num_steps)
-        stopping = tf.constant(0.0)
-        for i in tf.range(num_steps):
-            if learning_rate is not None:
-                optimizer.learning_rate.assign(learning_rate(step))
-            loss_and_stop, grads = strategy.run(replica_grads, args=(*next(iterator), stop_requested))
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            reduced = cluster.sum_over_processes(strategy.reduce(tf.distribute.ReduceOp.SUM, loss_and_stop, axis=None))
-            loss, stopping = tf.unstack(reduced)
-            step.assign_add(1)
-            losses = losses.write(i, loss)
-        return losses.stack(), stopping
+    def global_step(iterator, stop_requested):
+        loss_and_stop, grads = strategy.run(replica_grads, args=(*next(iterator), stop_requested))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return cluster.sum_over_processes(strategy.reduce(tf.distribute.ReduceOp.SUM, loss_and_stop, axis=None))
 
-    return train_loop
+    return _compiled_loop(global_step, optimizer, step, learning_rate)
 
 
 def check_local_replicas(cluster) -> None:
