@@ -32,6 +32,7 @@ def sched_cfg(**overrides) -> ml_collections.ConfigDict:
     c.warmup = "none"
     c.warmup_epochs = 5.0
     c.warmup_init_lr = 0.0
+    c.warmup_granularity = "auto"
     c.decay = "constant"
     c.decay_epochs = (30, 60, 80)
     c.decay_factor = 0.1
@@ -141,6 +142,48 @@ def test_stepping_warmup_exact_values():
     # 1.6 * k / 6 = 4k / 15
     assert per_epoch == [approx(4 / 15), approx(8 / 15), approx(12 / 15), approx(16 / 15),
                          approx(20 / 15), approx(1.6), approx(1.6)]
+
+
+# The large-batch ImageNet study's tables (32 GPUs x 128, LR 0.1 per 256 -> 1.6; the 1-GPU LR 0.05).
+EPOCH_TABLES = {
+    "gradual": [0.05, 0.36, 0.67, 0.98, 1.29, 1.6, 1.6],
+    "stepping": [1.6 * k / 6 for k in range(1, 6)] + [1.6, 1.6],  # 0.2667 ... 1.3333, then 1.6
+}
+
+
+@pytest.mark.parametrize("warmup", ["gradual", "stepping"])
+def test_epoch_granularity_changes_the_lr_once_per_epoch_exactly_as_the_study(warmup):
+    steps_per_epoch = 7
+    lr = schedules.make_schedule(sched_cfg(warmup=warmup, warmup_epochs=5.0, warmup_init_lr=0.05,
+                                           warmup_granularity="epoch"),
+                                 base_lr=1.6, steps_per_epoch=steps_per_epoch, total_steps=100)
+    for epoch, expected in enumerate(EPOCH_TABLES[warmup]):
+        within_epoch = [lr(epoch * steps_per_epoch + batch) for batch in range(steps_per_epoch)]
+        assert within_epoch == [pytest.approx(expected, abs=1e-12)] * steps_per_epoch
+
+
+def test_step_granularity_is_goyal_et_al_per_step():
+    # Gradual: linear per step from 0.05 to 1.6 over 5 x 4 = 20 steps; stepping: its staircase's line.
+    gradual = schedules.make_schedule(sched_cfg(warmup="gradual", warmup_epochs=5.0, warmup_init_lr=0.05,
+                                                warmup_granularity="step"),
+                                      base_lr=1.6, steps_per_epoch=4, total_steps=40)
+    assert [gradual(s) for s in range(0, 21, 5)] == [approx(x) for x in (0.05, 0.4375, 0.825, 1.2125, 1.6)]
+    assert gradual(1) == approx(0.05 + 1.55 / 20)
+    stepping = schedules.make_schedule(sched_cfg(warmup="stepping", warmup_epochs=5.0, warmup_granularity="step"),
+                                       base_lr=1.6, steps_per_epoch=4, total_steps=40)
+    assert [stepping(s) for s in (0, 1, 2, 4, 19, 20)] == [
+        approx(1.6 * x / 6) for x in (1, 1.25, 1.5, 2, 5.75)] + [approx(1.6)]
+    # auto keeps each warmup's own granularity: gradual per step, stepping per epoch.
+    auto = schedules.make_schedule(sched_cfg(warmup="stepping", warmup_epochs=5.0), base_lr=1.6,
+                                   steps_per_epoch=4, total_steps=40)
+    assert auto(1) == auto(3) == approx(1.6 / 6)
+
+
+def test_warmup_granularity_errors_name_the_value():
+    with pytest.raises(ValueError, match="warmup_granularity='batch' is not one of: auto, step, epoch"):
+        schedules.check(sched_cfg(warmup="gradual", warmup_granularity="batch"), total_epochs=10)
+    with pytest.raises(ValueError, match="warmup_granularity='epoch' does not apply to warmup='horovod'"):
+        schedules.check(sched_cfg(warmup="horovod", warmup_granularity="epoch"), total_epochs=10)
 
 
 @pytest.mark.parametrize("step, expected", [

@@ -138,6 +138,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.schedule.warmup = "gradual"  # none | gradual | stepping | horovod (lr/size -> lr)
     c.schedule.warmup_epochs = 5.0  # warmup length (Goyal et al.: 5)
     c.schedule.warmup_init_lr = 0.0  # gradual warmup starts here
+    c.schedule.warmup_granularity = "auto"  # when the warmup LR changes: step | epoch | auto (gradual per step, stepping per epoch)
     c.schedule.decay = "step"  # constant | step | cosine | polynomial | exponential
     c.schedule.decay_epochs = (30, 60, 80)  # step decay boundaries, absolute epochs
     c.schedule.decay_factor = 0.1  # step: LR multiplier per boundary; exponential: per period

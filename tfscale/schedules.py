@@ -22,7 +22,11 @@ Warmups (WARMUPS):
   none      no warmup (warmup_steps = 0 whatever warmup_epochs says).
   gradual   Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (arXiv
             1706.02677), sec. 2.2: linear per step from `warmup_init_lr` to `base_lr`.
-  stepping  per-epoch staircase: constant within an epoch, `base_lr * (e + 1) / (W + 1)` in epoch e.
+  stepping  `base_lr * (e + 1) / (W + 1)`: per epoch a staircase, constant within epoch e.
+`warmup_granularity` (WARMUP_GRANULARITIES) says when the warmup LR changes: "step" (Goyal et al.;
+stepping then follows its staircase's line), "epoch" (what a per-epoch LR callback does, as the
+large-batch ImageNet study tfscale reruns did: gradual 0.05, 0.36, ..., 1.29, then 1.6; stepping its
+staircase), or "auto": gradual per step, stepping per epoch.
   horovod   Horovod's `LearningRateWarmupCallback`: from `base_lr / num_replicas` to `base_lr`.
 Decays (DECAYS): constant, step (He et al. 2016 / Goyal et al. 2017), cosine (Loshchilov & Hutter
 2017, SGDR, without restarts), polynomial (MLPerf ResNet-50 LARS recipe), exponential (staircase).
@@ -36,6 +40,7 @@ import math
 from typing import Callable, Sequence
 
 WARMUPS = ("none", "gradual", "stepping", "horovod")
+WARMUP_GRANULARITIES = ("auto", "step", "epoch")  # auto: gradual per step, stepping per epoch
 DECAYS = ("constant", "step", "cosine", "polynomial", "exponential")
 
 # Periods such as 2.4 or 0.1 epochs are not exact binary fractions, so `epoch / period` can land just
@@ -68,6 +73,27 @@ def gradual_warmup_lr(step: int, *, init_lr: float, target_lr: float, warmup_ste
     Step 0 uses `init_lr`; the first step after the warmup (step == warmup_steps) would use `target_lr`.
     """
     return init_lr + (target_lr - init_lr) * step / warmup_steps
+
+
+def gradual_warmup_per_epoch_lr(step: int, *, init_lr: float, target_lr: float, steps_per_epoch: int,
+                                warmup_epochs: float) -> float:
+    """The gradual warmup set once per epoch (`warmup_granularity="epoch"`), as a per-epoch LR callback does:
+
+        lr = init_lr + (target_lr - init_lr) * e / W,   e = floor(step / steps_per_epoch) < W
+
+    From 0.05 (the 1-GPU LR) to 1.6 over W = 5 epochs: 0.05, 0.36, 0.67, 0.98, 1.29, then 1.6.
+    """
+    return init_lr + (target_lr - init_lr) * (step // steps_per_epoch) / warmup_epochs
+
+
+def stepping_warmup_per_step_lr(step: int, *, target_lr: float, steps_per_epoch: int, warmup_epochs: float) -> float:
+    """The stepping warmup's ramp taken per step (`warmup_granularity="step"`): its staircase's line,
+
+        lr = target_lr * (1 + step / steps_per_epoch) / (W + 1)
+
+    from target / (W + 1) at step 0 towards target; equal to the staircase at every epoch start.
+    """
+    return target_lr * (1 + step / steps_per_epoch) / (warmup_epochs + 1)
 
 
 def stepping_warmup_lr(step: int, *, target_lr: float, steps_per_epoch: int, warmup_epochs: float) -> float:
@@ -184,14 +210,20 @@ def warmup_steps_of(schedule_cfg, *, steps_per_epoch: int) -> int:
 def _warmup_fn(schedule_cfg, *, base_lr: float, steps_per_epoch: int, warmup_steps: int,
                num_replicas: int) -> Callable[[int], float] | None:
     name = schedule_cfg.warmup
+    granularity = getattr(schedule_cfg, "warmup_granularity", "auto")
+    per_epoch = granularity == "epoch" or (granularity == "auto" and name == "stepping")
+    per_epoch_args = dict(target_lr=base_lr, steps_per_epoch=steps_per_epoch,
+                          warmup_epochs=float(schedule_cfg.warmup_epochs))
     if name == "none" or warmup_steps == 0:
         return None
+    if name == "gradual" and per_epoch:
+        return functools.partial(gradual_warmup_per_epoch_lr, init_lr=float(schedule_cfg.warmup_init_lr),
+                                 **per_epoch_args)
     if name == "gradual":
         return functools.partial(gradual_warmup_lr, init_lr=float(schedule_cfg.warmup_init_lr),
                                  target_lr=base_lr, warmup_steps=warmup_steps)
     if name == "stepping":
-        return functools.partial(stepping_warmup_lr, target_lr=base_lr, steps_per_epoch=steps_per_epoch,
-                                 warmup_epochs=float(schedule_cfg.warmup_epochs))
+        return functools.partial(stepping_warmup_lr if per_epoch else stepping_warmup_per_step_lr, **per_epoch_args)
     if name == "horovod":
         return functools.partial(horovod_warmup_lr, target_lr=base_lr, num_replicas=num_replicas,
                                  warmup_steps=warmup_steps)
@@ -277,6 +309,10 @@ def _require_choice(key: str, value, choices) -> None:
 
 def _check_warmup(schedule_cfg, total_epochs: float) -> None:
     _require_choice("warmup", schedule_cfg.warmup, WARMUPS)
+    _require_choice("warmup_granularity", getattr(schedule_cfg, "warmup_granularity", "auto"), WARMUP_GRANULARITIES)
+    if getattr(schedule_cfg, "warmup_granularity", "auto") == "epoch" and schedule_cfg.warmup == "horovod":
+        raise ValueError("config.schedule.warmup_granularity='epoch' does not apply to warmup='horovod' (Horovod's "
+                         "callback changes the LR every batch); use 'step'")
     if schedule_cfg.warmup == "none":
         return  # warmup_epochs is ignored, so a leftover default must not fail a short run
     warmup_epochs = schedule_cfg.warmup_epochs
