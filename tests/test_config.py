@@ -13,7 +13,9 @@ from tfscale import config as tfs_config
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
 # Replica counts each recipe is written for (the file name says it).
-REPLICAS = {"r50_8gpu.py": 8, "r50_32gpu.py": 32, "r50_lars_32k.py": 256}
+REPLICAS = {"r50_8gpu.py": 8, "r50_32gpu.py": 32, "r50_lars_32k.py": 256, "seed000_r50.py": 32}
+# Recipes that need a config argument (a study's method); test_seed000_recipes.py tests every method.
+ARGUMENT = {"seed000_r50.py": ":gradual5"}
 
 
 def parse(config_arg, *overrides):
@@ -40,7 +42,7 @@ def test_config_files_exist():
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
 def test_every_config_loads_and_validates(path, tmp_path):
-    cfg = parse(f"--config={path}")
+    cfg = load_config(os.path.splitext(os.path.basename(path))[0] + ARGUMENT.get(os.path.basename(path), ""))
     if cfg.data.dataset == "tfrecord":
         cfg.data.data_dir = str(tmp_path)
     tfs_config.validate(cfg, num_replicas=REPLICAS.get(os.path.basename(path), 1))
