@@ -12,7 +12,7 @@ EXTRAS := $(if $(TF_EXTRA),$(TF_EXTRA)$(comma))test
 
 HOROVOD_STAMP := $(VENV)/.installed-horovod
 
-.PHONY: venv horovod slurm demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling clean
+.PHONY: venv horovod slurm fashion-mnist demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling clean
 
 venv: $(STAMP)
 
@@ -35,16 +35,26 @@ $(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh
 slurm:
 	tools/slurm_testbed.sh install || echo "make slurm: Slurm not installed; tests/test_slurm.py will be skipped"
 
+# Debian's dataset-fashion-mnist: the real Fashion-MNIST IDX files in /usr/share/datasets/fashion-mnist,
+# for the studies (docs/studies/) and tests/test_convert_arrays.py (skipped, saying why, without them).
+FASHION_MNIST_DIR := /usr/share/datasets/fashion-mnist
+fashion-mnist:
+	@if [ -d $(FASHION_MNIST_DIR) ]; then echo "fashion-mnist: $(FASHION_MNIST_DIR) present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist > /dev/null) \
+	  || echo "make fashion-mnist: apt-get failed; tests that need Fashion-MNIST will be skipped"; \
+	else echo "make fashion-mnist: needs root and apt-get (apt-get install dataset-fashion-mnist); tests that need it will be skipped"; fi
+
 demo: venv
 	$(PY) tools/digits_demo.py --workdir=runs/demo
 
-test: venv horovod slurm
+test: venv horovod slurm fashion-mnist
 	$(PY) -m pytest -q
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
-test-slow: venv horovod slurm
+test-slow: venv horovod slurm fashion-mnist
 	$(PY) -m pytest -q -m slow
 
 # tfscale's training input vs a plain Model-Garden-style pipeline, the decode-only ceiling and Keras'

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import os
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 from tfscale import cli, logs
 from tfscale import io as tfio
-from tfscale.data import encode, parallel, shards, sources
+from tfscale.data import arrays, encode, parallel, shards, sources
 
 SPLITS = ("train", "validation")
 # Modules the worker processes need (tensorflow: the shard writers), imported once by the fork server.
@@ -155,19 +155,25 @@ def convert(input_dir: str, output_dir: str, split: str, num_shards: int, *, lab
 # --------------------------------------------------------------------------------------------- CLI
 
 
-_FLAG_NAMES = ("input_dir", "output_dir", "split", "num_shards", "labels_file", "class_order_file",
-               "class_text_file", "resize_shorter", "strict", "num_workers", "seed")
+_FLAG_NAMES = ("format", "input_dir", "output_dir", "split", "num_shards", "labels_file", "class_order_file",
+               "class_text_file", "resize_shorter", "strict", "num_workers", "seed", "validation_examples")
 
 
 def _define_flags() -> None:
     """Flags exist only when the tool runs: importing this module (the input pipeline does) adds none."""
     if "input_dir" in flags.FLAGS:
         return
+    flags.DEFINE_enum("format", "folder", ("folder", *arrays.FORMATS), "folder: an image folder (below); idx: "
+                      "MNIST-layout IDX files (Fashion-MNIST, KMNIST, EMNIST); cifar: CIFAR-10/100 Python batches. "
+                      "idx and cifar write train, validation and test shards at once (tfscale.data.arrays).")
     flags.DEFINE_string("input_dir", None, "Class-folder tree DIR/<class>/*.jpg|png, or a flat folder "
-                        "of images with --labels_file.")
+                        "of images with --labels_file; or the idx/cifar files.")
     flags.DEFINE_string("output_dir", None, "Where shards and manifest-{split}.json go (created if needed).")
-    flags.DEFINE_enum("split", None, SPLITS, "Shard-name prefix.")
-    flags.DEFINE_integer("num_shards", None, "Number of shards (ImageNet: 1024 train, 128 validation).")
+    flags.DEFINE_enum("split", None, SPLITS, "Shard-name prefix (folder format).")
+    flags.DEFINE_integer("num_shards", None, "Number of shards (ImageNet: 1024 train, 128 validation); idx/cifar: "
+                         "of the train split (default 16), the others in proportion.")
+    flags.DEFINE_integer("validation_examples", 5000, "idx/cifar: training images held out as the validation "
+                         "split, stratified by class with --seed.")
     flags.DEFINE_string("labels_file", None, "For a flat folder: one class name per image, in sorted "
                         "file-name order.")
     flags.DEFINE_string("class_order_file", None, "Class names in label order, one per line "
@@ -178,11 +184,20 @@ def _define_flags() -> None:
     flags.DEFINE_bool("strict", False, "Fail on unreadable images instead of skipping them.")
     flags.DEFINE_integer("num_workers", None, "Worker processes (default: available CPUs).")
     flags.DEFINE_integer("seed", 0, "Seed of the shuffle that spreads classes over shards.")
-    flags.mark_flags_as_required(["input_dir", "output_dir", "split", "num_shards"])
+    flags.mark_flags_as_required(["input_dir", "output_dir"])
     cli.make_key_flags(_FLAG_NAMES)
 
 
 def _convert_from_flags(f: flags.FlagValues) -> None:
+    if f.format != "folder":
+        if f.split is not None:
+            raise app.UsageError(f"--format={f.format} writes the train, validation and test splits at once: drop --split")
+        arrays.convert_arrays(f.format, f.input_dir, f.output_dir, validation_examples=f.validation_examples,
+                              num_shards=f.num_shards or 16, seed=f.seed)
+        return
+    missing = [f"--{name}" for name in ("split", "num_shards") if f[name].value is None]
+    if missing:
+        raise app.UsageError(f"{' and '.join(missing)} must be given to convert an image folder")
     convert(f.input_dir, f.output_dir, f.split, f.num_shards, labels_file=f.labels_file,
             class_order_file=f.class_order_file, class_text_file=f.class_text_file,
             resize_shorter=f.resize_shorter, strict=f.strict, num_workers=f.num_workers, seed=f.seed)

@@ -125,8 +125,12 @@ def encode_image(path: str, resize_shorter: int = 0) -> tuple[bytes, int, int]:
     return out.getvalue(), rgb.height, rgb.width
 
 
-def example_bytes(jpeg: bytes, height_px: int, width_px: int, item: Item) -> bytes:
-    """A serialized tf.train.Example with exactly the FEATURE_KEYS, as build_imagenet_data.py writes."""
+def example_bytes(jpeg: bytes, height_px: int, width_px: int, item: Item, *, image_format: bytes = b"JPEG",
+                  channels: int = 3, colorspace: bytes = b"RGB") -> bytes:
+    """A serialized tf.train.Example with exactly the FEATURE_KEYS, as build_imagenet_data.py writes.
+
+    `jpeg` is the encoded image: a JPEG unless `image_format` says otherwise (tfscale.data.arrays: PNG).
+    """
     import tensorflow as tf  # imported where needed: listing and checking inputs stay fast
 
     def _bytes(value: bytes):
@@ -137,11 +141,11 @@ def example_bytes(jpeg: bytes, height_px: int, width_px: int, item: Item) -> byt
 
     feature = {
         "image/encoded": _bytes(jpeg),
-        "image/format": _bytes(b"JPEG"),
+        "image/format": _bytes(image_format),
         "image/height": _int64(height_px),
         "image/width": _int64(width_px),
-        "image/channels": _int64(3),
-        "image/colorspace": _bytes(b"RGB"),
+        "image/channels": _int64(channels),
+        "image/colorspace": _bytes(colorspace),
         "image/class/label": _int64(item.label),
         "image/class/synset": _bytes(item.synset.encode("utf-8")),
         "image/class/text": _bytes(item.text.encode("utf-8")),

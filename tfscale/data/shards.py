@@ -194,7 +194,8 @@ def warn_about_other_shards(output_dir: str, split: str, names: list[str]) -> No
 
 
 def build_manifest(split: str, classes: list[str], class_texts: list[str], shards: list[dict], skipped: list[dict],
-                   *, resize_shorter: int, seed: int, input_dir: str) -> dict:
+                   *, resize_shorter: int, seed: int, input_dir: str, image_format: str = "jpeg",
+                   tool: str = "tfscale.data.convert") -> dict:
     """The `manifest-{split}.json` contents; `tfscale.io.read_manifest` returns them.
 
     classes[i] is the class the model's output i stands for; its examples carry the stored label
@@ -214,8 +215,9 @@ def build_manifest(split: str, classes: list[str], class_texts: list[str], shard
         "resize_shorter": resize_shorter,
         "seed": seed,
         "jpeg_quality": JPEG_QUALITY,
-        "image_format": "jpeg",  # every record is a baseline RGB JPEG (encode.py): readers skip format checks
+        # "jpeg": every record is a baseline RGB JPEG (encode.py), readers skip format checks; "png": lossless (arrays.py).
+        "image_format": image_format,
         "input_dir": input_dir,
-        "tool": "tfscale.data.convert",
+        "tool": tool,
         "tool_version": tfscale.__version__,
     }

@@ -1,0 +1,198 @@
+"""tfscale-convert --format=idx|cifar: the studies' datasets in their own formats -> shards, bytes-exact.
+
+The inputs are small files written here in the real formats (IDX with its big-endian header, gzip or
+not; CIFAR-10/100 Python pickles); nothing is downloaded. With Debian's dataset-fashion-mnist
+installed, the real Fashion-MNIST files are converted too.
+"""
+
+import collections
+import gzip
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import REPO, quiet_env
+
+from tfscale.data import arrays
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+def write_idx(path, array, compress):
+    codes = {np.dtype(np.uint8): 0x08}
+    header = bytes([0, 0, codes[array.dtype], array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    data = header + array.tobytes()
+    with open(path, "wb") as f:
+        f.write(gzip.compress(data) if compress else data)
+
+
+def make_idx_dir(root, *, n_train=300, n_test=60, compress=True, prefix=""):
+    rng = np.random.default_rng(1)
+    os.makedirs(root, exist_ok=True)
+    source = {}
+    for name, n in (("train", n_train), ("t10k", n_test)):
+        images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=n, dtype=np.uint8)
+        suffix = ".gz" if compress else ""
+        write_idx(os.path.join(root, f"{prefix}{name}-images-idx3-ubyte{suffix}"), images, compress)
+        write_idx(os.path.join(root, f"{prefix}{name}-labels-idx1-ubyte{suffix}"), labels, compress)
+        source["test" if name == "t10k" else "train"] = (images, labels)
+    return source
+
+
+def make_cifar_dir(root, *, hundred=False, per_batch=40, n_test=30):
+    """CIFAR batches as cifar-10-batches-py / cifar-100-python hold them (bytes keys, 3072-byte rows)."""
+    rng = np.random.default_rng(2)
+    os.makedirs(root, exist_ok=True)
+    num_classes, label_key = (100, b"fine_labels") if hundred else (10, b"labels")
+
+    def batch(path, n):
+        rows = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, num_classes, size=n).tolist()
+        with open(path, "wb") as f:
+            pickle.dump({b"data": rows, label_key: labels, b"batch_label": b"x"}, f)
+        return rows.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), np.array(labels)
+
+    names = [f"class_{i}".encode() for i in range(num_classes)]
+    if hundred:
+        train = batch(os.path.join(root, "train"), 5 * per_batch)
+        test = batch(os.path.join(root, "test"), n_test)
+        meta = ("meta", {b"fine_label_names": names, b"coarse_label_names": [b"c"] * 20})
+    else:
+        parts = [batch(os.path.join(root, f"data_batch_{i}"), per_batch) for i in range(1, 6)]
+        train = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+        test = batch(os.path.join(root, "test_batch"), n_test)
+        meta = ("batches.meta", {b"label_names": names, b"num_vis": 3072})
+    with open(os.path.join(root, meta[0]), "wb") as f:
+        pickle.dump(meta[1], f)
+    return {"train": train, "test": test, "classes": [n.decode() for n in names]}
+
+
+def convert_cli(fmt, input_dir, output_dir, *extra):
+    return subprocess.run([sys.executable, "-m", "tfscale.data.convert", f"--format={fmt}", f"--input_dir={input_dir}",
+                           f"--output_dir={output_dir}", *extra], cwd=REPO, env=quiet_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def read_split(output_dir, split):
+    """[(source name, source index, pixels as stored, 1-based label, class text)] of every record of `split`."""
+    files = sorted(tf.io.gfile.glob(os.path.join(output_dir, f"{split}-*-of-*")))
+    records = []
+    for serialized in tf.data.TFRecordDataset(files):
+        feature = tf.train.Example.FromString(serialized.numpy()).features.feature
+        source, index = feature["image/filename"].bytes_list.value[0].decode().removesuffix(".png").split("_")
+        pixels = tf.io.decode_png(feature["image/encoded"].bytes_list.value[0]).numpy()
+        records.append((source, int(index), pixels, feature["image/class/label"].int64_list.value[0],
+                        feature["image/class/text"].bytes_list.value[0].decode()))
+    return records
+
+
+def assert_exact(records, source, classes):
+    for origin, index, pixels, label, text in records:
+        images, labels = source[origin]
+        expected = images[index]
+        assert pixels.shape == (expected.shape if expected.ndim == 3 else (*expected.shape, 1))
+        assert pixels.reshape(expected.shape).tobytes() == expected.tobytes(), f"{origin}_{index}: pixels differ"
+        assert label == labels[index] + 1 and text == classes[labels[index]]
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_idx_to_shards_is_bytes_exact_with_a_stratified_validation_split(tmp_path, compress):
+    source = make_idx_dir(tmp_path / "idx", compress=compress)
+    result = convert_cli("idx", tmp_path / "idx", tmp_path / "out", "--validation_examples=50", "--num_shards=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    classes = [str(i) for i in range(10)]
+    train, validation, test = (read_split(tmp_path / "out", s) for s in ("train", "validation", "test"))
+    for records in (train, validation, test):
+        assert_exact(records, source, classes)
+    # Every training image once: in train or held out, never both; the test set whole.
+    assert sorted(i for _, i, *_ in train + validation) == list(range(300))
+    assert sorted(i for _, i, *_ in test) == list(range(60)) and {o for o, *_ in test} == {"test"}
+    assert len(validation) == 50
+    # Stratified: each class's share of the held-out 50 is its share of the 300, to the nearest image.
+    counts = collections.Counter(source["train"][1].tolist())
+    held = collections.Counter(label - 1 for *_, label, _ in validation)
+    for c in range(10):
+        assert abs(held[c] - counts[c] * 50 / 300) < 1, (c, held[c], counts[c])
+    manifests = {s: json.load(open(tmp_path / "out" / f"manifest-{s}.json")) for s in ("train", "validation", "test")}
+    assert [manifests[s]["num_examples"] for s in ("train", "validation", "test")] == [250, 50, 60]
+    assert manifests["train"]["num_shards"] == 4 and manifests["train"]["image_format"] == "png"
+    assert manifests["test"]["classes"] == classes
+
+
+def test_the_split_is_seeded(tmp_path):
+    make_idx_dir(tmp_path / "idx")
+    held = []
+    for seed in (0, 0, 1):
+        out = tmp_path / f"out{len(held)}"
+        assert convert_cli("idx", tmp_path / "idx", out, "--validation_examples=30", f"--seed={seed}").returncode == 0
+        held.append(sorted(i for _, i, *_ in read_split(out, "validation")))
+    assert held[0] == held[1] != held[2]
+
+
+@pytest.mark.parametrize("hundred", [False, True])
+def test_cifar_pickles_to_shards_are_bytes_exact(tmp_path, hundred):
+    source = make_cifar_dir(tmp_path / "cifar", hundred=hundred)
+    result = convert_cli("cifar", tmp_path / "cifar", tmp_path / "out", "--validation_examples=20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for split in ("train", "validation", "test"):
+        records = read_split(tmp_path / "out", split)
+        assert_exact(records, source, source["classes"])
+        assert all(pixels.shape == (32, 32, 3) for _, _, pixels, _, _ in records)
+    assert json.load(open(tmp_path / "out" / "manifest-test.json"))["num_classes"] == (100 if hundred else 10)
+
+
+def test_fashion_mnist_names_its_classes(tmp_path):
+    make_idx_dir(tmp_path / "fashion-mnist")
+    arrays.convert_arrays("idx", str(tmp_path / "fashion-mnist"), str(tmp_path / "out"), validation_examples=10,
+                          num_shards=1)
+    assert json.load(open(tmp_path / "out" / "manifest-train.json"))["classes"][9] == "Ankle boot"
+
+
+def test_bad_input_names_the_file(tmp_path):
+    make_idx_dir(tmp_path / "idx")
+    broken = tmp_path / "idx" / "train-labels-idx1-ubyte.gz"
+    broken.write_bytes(gzip.compress(b"\x00\x00\x08\x01\x00\x00\x01\x2c" + b"\x01" * 10))  # says 300, holds 10
+    result = convert_cli("idx", tmp_path / "idx", tmp_path / "out")
+    assert result.returncode == 1
+    assert f"{broken}: IDX header says shape (300,)" in result.stderr
+    assert not os.path.exists(tmp_path / "out" / "manifest-train.json")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = convert_cli("cifar", empty, tmp_path / "out")
+    assert result.returncode == 1 and "holds neither CIFAR-10" in result.stderr
+    assert "--split" in convert_cli("idx", tmp_path / "idx", tmp_path / "out", "--split=train").stderr
+
+
+def test_converted_idx_trains_through_the_cli(tmp_path):
+    # The user's path: their IDX files -> shards -> a short run that reads the PNG records.
+    make_idx_dir(tmp_path / "idx", n_train=320, n_test=64)
+    assert convert_cli("idx", tmp_path / "idx", tmp_path / "shards", "--validation_examples=64").returncode == 0
+    result = subprocess.run(
+        [sys.executable, "-m", "tfscale.train", "--config=configs/digits.py", f"--workdir={tmp_path / 'run'}",
+         f"--config.data.data_dir={tmp_path / 'shards'}", "--config.data.image_size=28",
+         "--config.data.num_train_examples=256", "--config.data.num_eval_examples=64", "--config.train.epochs=1",
+         "--config.model.name=cifar_resnet8", "--config.data.eval_split=test", "--config.train.eval_every_epochs=1",
+         "--config.schedule.warmup_epochs=0.5", "--config.data.global_batch_size=32"],
+        cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.load(open(tmp_path / "run" / "summary.json"))
+    assert summary["steps"] == 8 and 0.0 <= summary["eval_top1"] <= 1.0
+
+
+@pytest.mark.skipif(not os.path.isdir(FASHION_MNIST_DIR),
+                    reason=f"{FASHION_MNIST_DIR} missing: apt-get install dataset-fashion-mnist (make fashion-mnist)")
+def test_real_fashion_mnist(tmp_path):
+    result = convert_cli("idx", FASHION_MNIST_DIR, tmp_path / "out", "--num_shards=8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    manifests = {s: json.load(open(tmp_path / "out" / f"manifest-{s}.json")) for s in ("train", "validation", "test")}
+    assert [manifests[s]["num_examples"] for s in ("train", "validation", "test")] == [55_000, 5_000, 10_000]
+    assert manifests["train"]["classes"][0] == "T-shirt/top"
+    source = arrays.load_idx(FASHION_MNIST_DIR)
+    sample = read_split(tmp_path / "out", "test")[:500]
+    assert_exact(sample, {"test": source["test"]}, source["classes"])
