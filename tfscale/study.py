@@ -1,0 +1,241 @@
+r"""Seeded studies: every cell of a grid of config overrides x every seed, run, collected and tested.
+
+    python -m tfscale.study studies/lr_scaling_fmnist.py --workdir=runs/lr_study     # or tfscale-study
+
+A study file is Python with `get_study()` returning a dict:
+
+    {"config": "configs/cifar_resnet20.py",          # the base recipe (PATH[:ARG], as --config takes it)
+     "overrides": ["--config.data.data_dir=..."],    # for every run
+     "cells": {"naive": ["--config.optim.lr_per_256=..."], "linear": [...], ...},   # name -> overrides
+     "seeds": [0, 1, 2],                             # config.seed of each run of a cell
+     "baseline": "linear",                           # the cell every other is tested against
+     "num_workers": 1, "backend": "mwms",            # > 1: each run through tfscale.launch
+     "plot": {"x": "data.global_batch_size", "series": "method", "x_label": "global batch"}}
+
+Each run is `python -m tfscale.train` in `WORKDIR/runs/<cell>/seed<k>`; a run whose summary.json
+exists is finished and skipped, so a killed study (or a preempted job) picks up where it stopped.
+Afterwards the summaries are collected into `study.json` (every run's figures), `study.md` (per cell:
+runs, mean +- sample std of the final eval top-1, mean wall time, and the one-tailed Welch t-test
+p-value of "this cell's top-1 is lower than the baseline's", scipy.stats.ttest_ind with
+equal_var=False, alternative="less") and `study.png` (mean top-1 +- std against `plot.x` for each
+value of `plot.series`; the values come from the cells' `"plot_values"` entries, or their overrides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags, logging
+
+from tfscale import io as tfio
+from tfscale import logs
+
+_REQUIRED = ("config", "cells", "seeds", "baseline")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    name: str
+    overrides: tuple[str, ...]
+    plot_values: dict  # e.g. {"data.global_batch_size": 512, "method": "linear"} for study.png
+
+
+def load_study(path: str) -> dict:
+    """The study file's `get_study()`, checked: ValueError naming the file and the key."""
+    spec = importlib.util.spec_from_file_location("tfscale_study_file", path)
+    if spec is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"study file {path} does not exist")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_study"):
+        raise ValueError(f"study file {path} has no get_study()")
+    study = dict(module.get_study())
+    missing = [key for key in _REQUIRED if key not in study]
+    if missing:
+        raise ValueError(f"study file {path}: get_study() lacks {', '.join(missing)}")
+    if study["baseline"] not in study["cells"]:
+        raise ValueError(f"study file {path}: baseline {study['baseline']!r} is not one of the cells "
+                         f"{', '.join(study['cells'])}")
+    if not study["seeds"] or len(set(study["seeds"])) != len(study["seeds"]):
+        raise ValueError(f"study file {path}: seeds must be distinct and at least one, got {study['seeds']}")
+    return study
+
+
+def cells_of(study: dict) -> list[Cell]:
+    cells = []
+    for name, spec in study["cells"].items():
+        overrides = spec["overrides"] if isinstance(spec, dict) else spec
+        values = spec.get("plot_values", {}) if isinstance(spec, dict) else {}
+        cells.append(Cell(name, tuple(overrides), dict(values)))
+    return cells
+
+
+def run_dir(workdir: str, cell: str, seed: int) -> str:
+    return os.path.join(workdir, "runs", cell, f"seed{seed}")
+
+
+def train_command(study: dict, cell: Cell, seed: int, directory: str) -> list[str]:
+    """The command of one run: tfscale.train, through tfscale.launch for more than one worker."""
+    train = ["-m", "tfscale.train", f"--config={study['config']}", f"--workdir={directory}",
+             *study.get("overrides", ()), *cell.overrides, f"--config.seed={seed}"]
+    workers = int(study.get("num_workers", 1))
+    if workers == 1:
+        return [sys.executable, *train]
+    return [sys.executable, "-m", "tfscale.launch", f"--num_workers={workers}",
+            f"--backend={study.get('backend', 'mwms')}", "--", *train]
+
+
+def run_all(study: dict, workdir: str) -> None:
+    """Every cell x seed in order, skipping finished runs; a failed run stops the study, naming its log."""
+    for cell in cells_of(study):
+        for seed in study["seeds"]:
+            directory = run_dir(workdir, cell.name, seed)
+            if os.path.exists(os.path.join(directory, "summary.json")):
+                logging.info("skipping %s seed %d: finished (%s)", cell.name, seed, directory)
+                continue
+            os.makedirs(directory, exist_ok=True)
+            log_path = os.path.join(directory, "train.log")
+            logging.info("running %s seed %d -> %s", cell.name, seed, directory)
+            started = time.time()
+            with open(log_path, "a") as log:
+                code = subprocess.run(train_command(study, cell, seed, directory), stdout=log,
+                                      stderr=subprocess.STDOUT).returncode
+            if code != 0:
+                raise RuntimeError(f"run {cell.name} seed {seed} failed with exit code {code}; its log: {log_path}")
+            logging.info("finished %s seed %d in %.0f s", cell.name, seed, time.time() - started)
+
+
+def collect(study: dict, workdir: str) -> dict[str, list[dict]]:
+    """{cell: [summary of each finished seed, with "seed"]}."""
+    results = {}
+    for cell in cells_of(study):
+        runs = []
+        for seed in study["seeds"]:
+            path = os.path.join(run_dir(workdir, cell.name, seed), "summary.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    runs.append({"seed": seed, **json.load(f)})
+        results[cell.name] = runs
+    return results
+
+
+def cell_statistics(results: dict[str, list[dict]], baseline: str) -> dict[str, dict]:
+    """Per cell: runs, mean and sample std of eval_top1, mean wall time, Welch one-tailed p vs the baseline."""
+    from scipy import stats
+    import numpy as np
+
+    reference = [r["eval_top1"] for r in results[baseline]]
+    table = {}
+    for name, runs in results.items():
+        top1 = [r["eval_top1"] for r in runs]
+        row = {"runs": len(top1), "top1_mean": float(np.mean(top1)) if top1 else math.nan,
+               "top1_std": float(np.std(top1, ddof=1)) if len(top1) > 1 else math.nan,
+               "wall_time_s_mean": float(np.mean([r["wall_time_s"] for r in runs])) if runs else math.nan,
+               "p_lower_than_baseline": math.nan}
+        if name != baseline and len(top1) > 1 and len(reference) > 1:
+            row["p_lower_than_baseline"] = float(stats.ttest_ind(top1, reference, equal_var=False,
+                                                                 alternative="less").pvalue)
+        table[name] = row
+    return table
+
+
+def _number(value: float, digits: int = 4) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def markdown(study: dict, table: dict[str, dict], results: dict[str, list[dict]]) -> str:
+    lines = [f"| cell | runs | eval top-1 mean +- std | wall time (s) | p (lower than {study['baseline']}) | "
+             "per-seed top-1 |", "|---|---|---|---|---|---|"]
+    for name, row in table.items():
+        seeds = ", ".join(f"{r['seed']}: {r['eval_top1']:.4f}" for r in results[name])
+        lines.append(f"| {name} | {row['runs']} | {_number(row['top1_mean'])} +- {_number(row['top1_std'])} | "
+                     f"{_number(row['wall_time_s_mean'], 0)} | {_number(row['p_lower_than_baseline'], 3)} | {seeds} |")
+    note = ("p: one-tailed Welch t-test (scipy.stats.ttest_ind, equal_var=False, alternative='less') of the cell's "
+            f"final eval top-1 against {study['baseline']}'s; '-' for the baseline and cells with fewer than 2 runs.")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def plot(study: dict, table: dict[str, dict], path: str) -> bool:
+    """study.png: mean top-1 +- std against plot.x, one line per plot.series value; False when not asked for."""
+    spec = study.get("plot")
+    if not spec:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict = {}
+    for cell in cells_of(study):
+        row = table[cell.name]
+        if row["runs"] and spec["x"] in cell.plot_values:
+            label = cell.plot_values.get(spec.get("series"), cell.name)
+            series.setdefault(label, []).append((cell.plot_values[spec["x"]], row["top1_mean"],
+                                                 0.0 if math.isnan(row["top1_std"]) else row["top1_std"]))
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for label, points in series.items():
+        xs, means, stds = zip(*sorted(points))
+        axes.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=str(label))
+    axes.set_xlabel(spec.get("x_label", spec["x"]))
+    axes.set_ylabel("final eval top-1 (mean +- std over seeds)")
+    if spec.get("log_x"):
+        axes.set_xscale("log", base=2)
+    axes.set_title(study.get("title", ""))
+    axes.grid(alpha=0.3)
+    axes.legend(title=spec.get("series"))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def report(study: dict, workdir: str) -> dict[str, dict]:
+    """study.json, study.md and study.png from the finished runs; returns the per-cell table."""
+    results = collect(study, workdir)
+    table = cell_statistics(results, study["baseline"])
+    tfio.write_json(os.path.join(workdir, "study.json"), {"study": study, "cells": table, "runs": results},
+                    sort_keys=True)
+    tfio.write_bytes(os.path.join(workdir, "study.md"), markdown(study, table, results).encode())
+    plot(study, table, os.path.join(workdir, "study.png"))
+    return table
+
+
+FLAGS = flags.FLAGS
+
+
+def main(argv: list[str]) -> None:
+    logs.configure()
+    if len(argv) != 2:
+        raise app.UsageError("usage: python -m tfscale.study STUDY_FILE --workdir=DIR [--report_only]")
+    try:
+        study = load_study(argv[1])
+    except (ValueError, OSError) as err:
+        sys.exit(f"FATAL study error: {err}")
+    os.makedirs(FLAGS.workdir, exist_ok=True)
+    if not FLAGS.report_only:
+        try:
+            run_all(study, FLAGS.workdir)
+        except RuntimeError as err:
+            sys.exit(f"FATAL {err}")
+    table = report(study, FLAGS.workdir)
+    logging.info("study of %d cells x %d seeds: %s", len(table), len(study["seeds"]),
+                 os.path.join(FLAGS.workdir, "study.md"))
+
+
+def run() -> None:
+    """Console-script entry point (`tfscale-study`)."""
+    flags.DEFINE_string("workdir", None, "Where the runs, study.json, study.md and study.png go.")
+    flags.DEFINE_bool("report_only", False, "Only collect the finished runs into the report; run nothing.")
+    flags.mark_flag_as_required("workdir")
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
