@@ -68,7 +68,8 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
 def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threading.Event) -> dict:
     """Builds the model, restores or initialises it, trains to the end, evaluates, writes the summary."""
     cfg, steps = run.cfg, run.steps
-    assigned = pipeline.assignment_report(cfg.data, run.data_dir, run.cluster.size)
+    # The chief reports it (the log line, summary.json); the others need not spend the seconds.
+    assigned = pipeline.assignment_report(cfg.data, run.data_dir, run.cluster.size) if run.cluster.is_chief else None
     if assigned:
         logging.info(assignment.describe(assigned))
     model, optimizer = engine.build_model_and_optimizer(cfg, run.cluster)

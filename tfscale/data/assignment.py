@@ -22,7 +22,7 @@ its own items with its own seed downstream):
   number of items (a translation argument: every pair (a, b) with b - a = delta shares one item of a
   round per pair of offsets differing by delta). When there are more than `MAX_FINE_GRAINED_ROUNDS`
   such subsets (large M and C), the cycle is that many of them drawn at random; the intersections are
-  then equal up to sampling noise (well under 1% at M=16, C=8). Every worker gets exactly C items per
+  then equal up to sampling noise (a few % at M=32, C=8). Every worker gets exactly C items per
   round, so sizes differ only through the last, incomplete round.
 * ``overlap``: C copies spread evenly around the ring: item i goes to workers (i + floor(k*M/C)) mod M,
   k = 0..C-1; sizes always within 1 of C*N/M. When C divides M this is exactly ``coarse`` (kept under
@@ -47,7 +47,7 @@ import numpy as np
 SCHEMES = ("disjoint", "full", "coarse", "medium_coarse", "fine_grained", "overlap")
 LEVELS = ("auto", "file", "example")  # config.data.assignment_level
 # fine_grained: offset sets per cycle when not all C-subsets are used (the pattern holds this many x M items).
-MAX_FINE_GRAINED_ROUNDS = 1024
+MAX_FINE_GRAINED_ROUNDS = 8192
 _TAKES_COPIES = ("coarse", "medium_coarse", "fine_grained", "overlap")
 
 
@@ -138,9 +138,18 @@ def membership(num_items: int, *, num_workers: int, scheme: str, copies: int = 1
 
 
 def pairwise_intersections(num_items: int, *, num_workers: int, scheme: str, copies: int = 1) -> np.ndarray:
-    """[M, M] int matrix: items read by both worker a and worker b (the diagonal: each worker's count)."""
-    held = membership(num_items, num_workers=num_workers, scheme=scheme, copies=copies).astype(np.float64)
-    return np.rint(held @ held.T).astype(np.int64)
+    """[M, M] int matrix: items read by both worker a and worker b (the diagonal: each worker's count).
+
+    Counted over one period of the patterns, times the whole periods, plus the last partial one: the
+    cost does not grow with the number of items (ImageNet's examples at the example level).
+    """
+    scheme_args = dict(num_workers=num_workers, scheme=scheme, copies=copies)
+    period = int(np.lcm.reduce([len(pattern(rank=r, **scheme_args)) for r in range(num_workers)]))
+    whole, rest = divmod(num_items, period)
+    one_period = membership(period, **scheme_args).astype(np.float64)  # float: BLAS; counts stay exact
+    partial = one_period[:, :rest]
+    counts = whole * np.rint(one_period @ one_period.T) + np.rint(partial @ partial.T)
+    return counts.astype(np.int64)
 
 
 def report(num_items: int, *, num_workers: int, scheme: str, copies: int = 1, item: str = "examples") -> dict:
