@@ -82,7 +82,7 @@ class StrategyCollectives(Collectives):
     def __init__(self, strategy: tf.distribute.Strategy, device_prefetch_batches: int = 1, household_size: int = 0):
         self.strategy = strategy
         self.input_options = device_input_options(device_prefetch_batches)
-        self.household_size = household_size or strategy.num_replicas_in_sync  # replicas per household
+        self.household_size = household_size  # replicas per household (0: no households, everyone)
         # One instance key per traced call site, as MWMS allocates its own: every worker traces the
         # same functions in the same order, so they agree on the keys.
         self._household_instance_keys = itertools.count(_HOUSEHOLD_INSTANCE_KEY)
@@ -110,7 +110,7 @@ class StrategyCollectives(Collectives):
         return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, values)
 
     def mean_over_household(self, values):
-        if self.household_size == self.strategy.num_replicas_in_sync:
+        if self.household_size in (0, self.strategy.num_replicas_in_sync):
             return self.mean_over_replicas(values)
         # tf.distribute has no sub-group all-reduce in its API; its collective ops do (the ops MWMS
         # itself runs), keyed by a group key the household's replicas share. The tensors travel as
