@@ -199,8 +199,41 @@ def test_mwms_local_sgd_workers_differ_between_syncs_and_agree_after(tmp_path, m
     assert_weights_close(final[0], final[1], rtol=0, atol=0)
     # One weight all-reduce per 4 steps, counted and logged; the weights differ from synchronous training.
     assert summary["world_syncs"] == 16 // 4 and summary["local_steps"] == 16
-    assert "local SGD: 4 world syncs (weight all-reduces of" in output
+    assert "local SGD: 4 world syncs (weight all-reduces of 156756 values)" in output
     assert max(np.abs(w - s).max() for w, s in zip(final[0], mwms_sync[0][0])) > 5e-3
+
+
+@pytest.mark.slow
+def test_momentum_kept_per_worker_without_sync_slots(tmp_path, mwms_sync):
+    _, digests, summary, output = launch(2, "mwms", tmp_path, *LOCAL, "--config.distribute.sync_period=4",
+                                         "--config.distribute.sync_slots=False")
+    assert [s for s in sorted(digests[0]) if digests[0][s] == digests[1][s]] == [4, 8, 12, 16]
+    synced = int(output.split("a sync averages ")[1].split()[0])
+    # Weights and BatchNorm statistics only: ResNet-8's 78,714 values; with the slots the momentum of
+    # its 78,042 trainable ones comes on top (156,756, the L_W=4 run's log).
+    assert "(weights, BatchNorm statistics)" in output and synced == 78_714
+    assert summary["world_syncs"] == 4
+
+
+@pytest.mark.slow
+def test_post_local_sgd_runs_synchronously_then_locally(tmp_path):
+    _, digests, summary, output = launch(2, "mwms", tmp_path, *LOCAL, "--config.distribute.sync_period=4",
+                                         "--config.distribute.post_local_after_epochs=0.4")  # 8 of 16 steps
+    agree = [step for step in sorted(digests[0]) if digests[0][step] == digests[1][step]]
+    assert agree == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]  # every synchronous step, then every 4th
+    assert summary["world_syncs"] == 2 and summary["local_steps"] == 8
+    assert "2 world syncs (weight all-reduces of" in output and "8 synchronous steps before them" in output
+
+
+@pytest.mark.slow
+def test_household_weights_averaged_every_second_step(tmp_path):
+    _, digests, summary, _ = launch(4, "mwms", tmp_path, *LOCAL, "--config.distribute.households=2",
+                                    "--config.distribute.household_period=2", "--config.distribute.sync_period=8")
+    for step in sorted(digests[0]):
+        inside = digests[0][step] == digests[1][step] and digests[2][step] == digests[3][step]
+        assert inside == (step % 2 == 0), step
+        assert (len({d[step] for d in digests}) == 1) == (step % 8 == 0), step
+    assert summary["world_syncs"] == 2 and summary["household_syncs"] == 6
 
 
 @pytest.mark.slow
@@ -270,7 +303,7 @@ def digit_shards(tmp_path_factory):
     return str(root / "shards"), counts
 
 
-def digits_top1(root, shards, counts, *overrides) -> float:
+def digits_summary(root, shards, counts, *overrides) -> dict:
     command = [sys.executable, "-m", "tfscale.launch", "--num_workers=4", "--threads_per_worker=1", "--",
                "-m", "tfscale.train", "--config=configs/digits.py", f"--workdir={root}",
                f"--config.data.data_dir={shards}", "--config.distribute.backend=mwms",
@@ -281,16 +314,21 @@ def digits_top1(root, shards, counts, *overrides) -> float:
                "--config.checkpoint.every_epochs=10", "--config.train.log_every_steps=100", *overrides]
     result = subprocess.run(command, cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, first_errors(result.stdout + result.stderr)
-    return json.load(open(os.path.join(root, "summary.json")))["eval_top1"]
+    return json.load(open(os.path.join(root, "summary.json")))
 
 
 @pytest.mark.slow
 def test_digits_local_sgd_and_households_land_close_to_synchronous(tmp_path, digit_shards):
     shards, counts = digit_shards
-    sync = digits_top1(tmp_path / "sync", shards, counts)
-    local = digits_top1(tmp_path / "local", shards, counts, *LOCAL, "--config.distribute.sync_period=4")
-    households = digits_top1(tmp_path / "households", shards, counts, *LOCAL, "--config.distribute.households=2",
-                             "--config.distribute.sync_period=8")
+    reference = digits_summary(tmp_path / "sync", shards, counts)
+    local = digits_summary(tmp_path / "local", shards, counts, *LOCAL, "--config.distribute.sync_period=4")
+    households = digits_summary(tmp_path / "households", shards, counts, *LOCAL,
+                                "--config.distribute.households=2", "--config.distribute.sync_period=8")
+    # 2 train shards for 4 workers: examples are assigned, each to one worker; the summary says so.
+    expected = {"scheme": "disjoint", "copies": 1, "item": "examples", "num_items": counts["train"],
+                "items_per_worker_min": counts["train"] // 4, "pairwise_intersection_max": 0}
+    assert {key: reference["assignment"][key] for key in expected} == expected
+    sync, local, households = (s["eval_top1"] for s in (reference, local, households))
     print(f"digits eval top-1 on 4 workers: synchronous {sync:.4f}, local SGD L_W=4 {local:.4f}, "
           f"2 households L_W=8 {households:.4f}")
     # Measured: 0.94 synchronous, 0.92 local SGD, 0.93 households (L_W=16: 0.84; docs/local_sgd.md).
