@@ -206,7 +206,7 @@ def test_limiting_cases_equal_disjoint_and_full():
 
 def test_report_states_copies_sizes_and_intersections():
     summary = assignment.report(1797, num_workers=4, scheme="coarse", copies=2)
-    assert summary | {} == {
+    assert summary == {
         "scheme": "coarse", "copies": 2, "copies_fraction": 0.5, "num_workers": 4, "item": "examples",
         "num_items": 1797, "items_per_worker_min": 898, "items_per_worker_max": 899,
         "pairwise_intersection_min": 0, "pairwise_intersection_max": 899,
