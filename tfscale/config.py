@@ -108,7 +108,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.cache = False  # cache decoded-ready records in RAM (small datasets only)
     c.data.private_threads = 0  # tf.data private thread pool size; 0: share TensorFlow's
     c.data.ram_budget_mb = 0  # tf.data autotune RAM budget; 0: TensorFlow's default
-    c.data.assignment = "disjoint"  # disjoint | full | coarse | medium_coarse | fine_grained | overlap: which data each worker reads (docs/local_sgd.md)
+    c.data.assignment = "disjoint"  # disjoint | full | coarse | medium_coarse | fine_grained | overlap: which data each worker reads (docs/data.md)
     c.data.copies = 2  # C, workers reading each example (coarse, medium_coarse, fine_grained, overlap; 1 = disjoint, M = full)
     c.data.assignment_level = "auto"  # what the scheme assigns: auto (files, or examples when fewer files than workers) | file | example
     c.data.image_size = 224  # square training/eval resolution in pixels
@@ -174,7 +174,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribute.horovod_fp16_allreduce = False  # horovod: send gradients as float16 (half the traffic)
     c.distribute.sync = "gradients"  # gradients (all-reduce every step) | local_sgd (local steps, weights averaged every sync_period)
     c.distribute.sync_period = 8  # local_sgd: L_W, steps between world syncs (one fused all-reduce of weights and slots)
-    c.distribute.sync_slots = True  # local_sgd: average optimizer slots (momentum, EMA) with the weights at each world sync
+    c.distribute.sync_slots = True  # local_sgd: average optimizer slots (momentum) with the weights at each world sync
     c.distribute.households = 0  # local_sgd: H groups of M/H workers averaging gradients inside (0: every worker alone)
     c.distribute.household_period = 1  # local_sgd: L_H, steps between averages inside a household (1: gradients every step)
     c.distribute.post_local_after_epochs = 0.0  # local_sgd: synchronous for these first epochs, local SGD after (post-local SGD)

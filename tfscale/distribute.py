@@ -200,9 +200,10 @@ def _strategy_cluster(dist_cfg: ml_collections.ConfigDict, strategy: tf.distribu
 
 def _household_size(dist_cfg: ml_collections.ConfigDict, num_replicas: int) -> int:
     """Replicas per household under local SGD with households (tfscale.local_sgd); 0 without them."""
-    if dist_cfg.sync != "local_sgd" or num_replicas % local_sgd.num_households(dist_cfg.households, num_replicas):
+    households = local_sgd.num_households(dist_cfg.households, num_replicas)
+    if dist_cfg.sync != "local_sgd" or num_replicas % households:
         return 0
-    return num_replicas // local_sgd.num_households(dist_cfg.households, num_replicas)
+    return num_replicas // households
 
 
 def _multi_worker_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:

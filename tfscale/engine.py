@@ -5,7 +5,8 @@
         model, optimizer = engine.build_model_and_optimizer(cfg, run.cluster)
         train_loop = engine.make_train_loop(cfg, run.cluster, model, optimizer, step=step_variable)
 
-`train.py` drives the loop; `benchmark.py` times the very same replica step. A step is built in
+`train.py` drives the loop (through `Loops`, which adds local SGD's loop and syncs when
+`distribute.sync` asks for them); `benchmark.py` times the very same replica step. A step is built in
 three layers, each usable alone (the benchmark times the first without the rest):
 
   loss_and_grads(images, labels)       one replica's forward + backward (XLA-compiled with jit_compile)
@@ -24,11 +25,12 @@ import dataclasses
 
 import keras
 import ml_collections
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tfscale import config as tfs_config
-from tfscale import distribute, models, optim
+from tfscale import distribute, local_sgd, models, optim
 from tfscale.data import pipeline
 
 
@@ -321,6 +323,69 @@ def _tf_variable(variable):
 
 def _assign(variable, value):
     return variable.assign(value)
+
+
+def sync_counters(cluster, plan: local_sgd.SyncPlan) -> dict[str, tf.Variable]:
+    """Local SGD's counts of weight all-reduces, checkpointed with the run (none without local SGD)."""
+    if not plan.local:
+        return {}
+    with cluster.strategy.scope():
+        return {name: tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
+                for name in ("world_syncs", "household_syncs")}
+
+
+class Loops:
+    """The compiled loops of a run and local SGD's syncs between them (tfscale.local_sgd decides when)."""
+
+    def __init__(self, run: Run, plan: local_sgd.SyncPlan, model, optimizer, step, learning_rate, counts):
+        cfg, cluster = run.cfg, run.cluster
+        self.plan, self.counts = plan, counts
+        self.synchronous = make_train_loop(cfg, cluster, model, optimizer, step=step, learning_rate=learning_rate)
+        if not plan.local:
+            return
+        check_local_replicas(cluster)
+        self.local = make_local_train_loop(cfg, cluster, model, optimizer, step=step, learning_rate=learning_rate,
+                                                  household_gradients=plan.household_gradients)
+        self.state = synced_state(model, optimizer, sync_slots=cfg.distribute.sync_slots)
+        self.world_sync = make_state_sync(cluster, self.state, household=False, counter=counts["world_syncs"])
+        self.household_sync = make_state_sync(cluster, self.state, household=True,
+                                                     counter=counts["household_syncs"])
+        self.values_per_sync = sum(int(np.prod(v.shape)) for v in self.state)
+        logging.info("local SGD: world sync every %d steps (%s) from step %d, %s; a sync averages %d values in one "
+                     "all-reduce", plan.sync_period, "weights, BatchNorm statistics"
+                     + (" and optimizer slots" if cfg.distribute.sync_slots else ""), plan.local_from_step,
+                     _households_text(plan), self.values_per_sync)
+
+    def loop_for(self, step: int):
+        """The loop that runs the steps starting at `step`."""
+        return self.local if self.plan.is_local(step) else self.synchronous
+
+    def after(self, step: int) -> None:
+        """The sync due after the step ending at `step`, if any."""
+        if self.plan.world_sync_due(step):
+            self.world_sync()
+        elif self.plan.household_sync_due(step):
+            self.household_sync()
+
+    def report(self, final_step: int) -> dict:
+        """Summary figures of the communication local SGD did; logged as well."""
+        if not self.plan.local:
+            return {}
+        world, household = (int(self.counts[name].numpy()) for name in ("world_syncs", "household_syncs"))
+        local_steps = max(0, final_step - self.plan.local_from_step)
+        logging.info("local SGD: %d world syncs (weight all-reduces of %d values) and %d household syncs in %d local "
+                     "steps; %d synchronous steps before them", world, self.values_per_sync, household, local_steps,
+                     min(final_step, self.plan.local_from_step))
+        return {"world_syncs": world, "household_syncs": household, "local_steps": local_steps}
+
+
+def _households_text(plan: local_sgd.SyncPlan) -> str:
+    if plan.households == plan.num_replicas:
+        return "every worker on its own between syncs"
+    inside = ("household gradients averaged every step" if plan.household_gradients
+              else f"household weights averaged every {plan.household_period} steps")
+    return f"{plan.households} households of {plan.num_replicas // plan.households} workers ({inside})"
+
 
 
 # --- evaluation -------------------------------------------------------------------------------------

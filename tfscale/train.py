@@ -24,7 +24,6 @@ import time
 
 import keras
 import ml_collections
-import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -75,7 +74,7 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     model, optimizer = engine.build_model_and_optimizer(cfg, run.cluster)
     plan = local_sgd.make_plan(cfg.distribute, num_replicas=run.cluster.num_replicas,
                                steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps)
-    sync_counts = _sync_counters(run, plan)
+    sync_counts = engine.sync_counters(run.cluster, plan)
     ckpts = checkpoints.Checkpoints(workdir, run.cluster, model=model, optimizer=optimizer,
                                     max_to_keep=cfg.checkpoint.max_to_keep, extra=sync_counts)
     # config.model.init_from applies to a fresh run only: resuming wins over it.
@@ -93,7 +92,7 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     learning_rate = _learning_rate_callback(run)
     callback_list = _callback_list(run, workdir, model, learning_rate, logger, extra_callbacks)
     run_eval = _evaluator(run, model, callback_list)
-    loops = _Loops(run, plan, model, optimizer, ckpts.step, learning_rate.device_schedule, sync_counts)
+    loops = engine.Loops(run, plan, model, optimizer, ckpts.step, learning_rate.device_schedule, sync_counts)
     start_time = time.time()
     eval_results = _train_loop(run, model, loops, ckpts, callback_list, run_eval, stop_requested, start_step)
     final_step = int(ckpts.step.numpy())
@@ -174,69 +173,7 @@ def _evaluator(run: engine.Run, model, callback_list):
     return run_eval
 
 
-def _sync_counters(run: engine.Run, plan: local_sgd.SyncPlan) -> dict[str, tf.Variable]:
-    """Local SGD's counts of weight all-reduces, checkpointed with the run (none without local SGD)."""
-    if not plan.local:
-        return {}
-    with run.cluster.strategy.scope():
-        return {name: tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
-                for name in ("world_syncs", "household_syncs")}
-
-
-class _Loops:
-    """The compiled loops of a run and local SGD's syncs between them (tfscale.local_sgd decides when)."""
-
-    def __init__(self, run: engine.Run, plan: local_sgd.SyncPlan, model, optimizer, step, learning_rate, counts):
-        cfg, cluster = run.cfg, run.cluster
-        self.plan, self.counts = plan, counts
-        self.synchronous = engine.make_train_loop(cfg, cluster, model, optimizer, step=step, learning_rate=learning_rate)
-        if not plan.local:
-            return
-        engine.check_local_replicas(cluster)
-        self.local = engine.make_local_train_loop(cfg, cluster, model, optimizer, step=step, learning_rate=learning_rate,
-                                                  household_gradients=plan.household_gradients)
-        self.state = engine.synced_state(model, optimizer, sync_slots=cfg.distribute.sync_slots)
-        self.world_sync = engine.make_state_sync(cluster, self.state, household=False, counter=counts["world_syncs"])
-        self.household_sync = engine.make_state_sync(cluster, self.state, household=True,
-                                                     counter=counts["household_syncs"])
-        self.values_per_sync = sum(int(np.prod(v.shape)) for v in self.state)
-        logging.info("local SGD: world sync every %d steps (%s) from step %d, %s; a sync averages %d values in one "
-                     "all-reduce", plan.sync_period, "weights, BatchNorm statistics"
-                     + (" and optimizer slots" if cfg.distribute.sync_slots else ""), plan.local_from_step,
-                     _households_text(plan), self.values_per_sync)
-
-    def loop_for(self, step: int):
-        """The loop that runs the steps starting at `step`."""
-        return self.local if self.plan.is_local(step) else self.synchronous
-
-    def after(self, step: int) -> None:
-        """The sync due after the step ending at `step`, if any."""
-        if self.plan.world_sync_due(step):
-            self.world_sync()
-        elif self.plan.household_sync_due(step):
-            self.household_sync()
-
-    def report(self, final_step: int) -> dict:
-        """Summary figures of the communication local SGD did; logged as well."""
-        if not self.plan.local:
-            return {}
-        world, household = (int(self.counts[name].numpy()) for name in ("world_syncs", "household_syncs"))
-        local_steps = max(0, final_step - self.plan.local_from_step)
-        logging.info("local SGD: %d world syncs (weight all-reduces of %d values) and %d household syncs in %d local "
-                     "steps; %d synchronous steps before them", world, self.values_per_sync, household, local_steps,
-                     min(final_step, self.plan.local_from_step))
-        return {"world_syncs": world, "household_syncs": household, "local_steps": local_steps}
-
-
-def _households_text(plan: local_sgd.SyncPlan) -> str:
-    if plan.households == plan.num_replicas:
-        return "every worker on its own between syncs"
-    inside = ("household gradients averaged every step" if plan.household_gradients
-              else f"household weights averaged every {plan.household_period} steps")
-    return f"{plan.households} households of {plan.num_replicas // plan.households} workers ({inside})"
-
-
-def _train_loop(run, model, loops: _Loops, ckpts, callback_list, run_eval, stop_requested, start_step: int) -> dict:
+def _train_loop(run, model, loops: engine.Loops, ckpts, callback_list, run_eval, stop_requested, start_step: int) -> dict:
     """Loops of steps from `start_step` to the end (or a callback's stop); returns the last eval's metrics.
 
     Each loop runs on device up to the next step where the host must act (`_loop_end`), then the
