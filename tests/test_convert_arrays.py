@@ -135,6 +135,25 @@ def test_the_split_is_seeded(tmp_path):
     assert held[0] == held[1] != held[2]
 
 
+def test_train_examples_keeps_a_stratified_seeded_subset_of_the_rest(tmp_path):
+    source = make_idx_dir(tmp_path / "idx")
+    result = convert_cli("idx", tmp_path / "idx", tmp_path / "out", "--validation_examples=50", "--train_examples=100")
+    assert result.returncode == 0, result.stderr[-3000:]
+    train, validation = read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "validation")
+    assert_exact(train, source, [str(i) for i in range(10)])
+    assert len(train) == 100 and len(validation) == 50
+    assert not {i for _, i, *_ in train} & {i for _, i, *_ in validation}
+    assert json.load(open(tmp_path / "out" / "manifest-train.json"))["num_examples"] == 100
+    # Stratified: each class's share of the 100 is its share of the 250 left after the holdout, to one image.
+    held = {i for _, i, *_ in validation}
+    rest = collections.Counter(int(label) for i, label in enumerate(source["train"][1]) if i not in held)
+    kept = collections.Counter(label - 1 for *_, label, _ in train)
+    for c in range(10):
+        assert abs(kept[c] - rest[c] * 100 / 250) < 1, (c, kept[c], rest[c])
+    too_many = convert_cli("idx", tmp_path / "idx", tmp_path / "out2", "--validation_examples=50", "--train_examples=251")
+    assert too_many.returncode == 1 and "train_examples=251 must be in [1, 250]" in too_many.stderr
+
+
 @pytest.mark.parametrize("hundred", [False, True])
 def test_cifar_pickles_to_shards_are_bytes_exact(tmp_path, hundred):
     source = make_cifar_dir(tmp_path / "cifar", hundred=hundred)

@@ -178,8 +178,11 @@ def write_split(output_dir: str, split: str, images: np.ndarray, labels: np.ndar
 
 
 def convert_arrays(fmt: str, input_dir: str, output_dir: str, *, validation_examples: int = 5000,
-                   num_shards: int = 16, seed: int = 0) -> dict[str, dict]:
-    """`fmt` files in `input_dir` -> train / validation / test shards in `output_dir`; the manifests by split."""
+                   train_examples: int = 0, num_shards: int = 16, seed: int = 0) -> dict[str, dict]:
+    """`fmt` files in `input_dir` -> train / validation / test shards in `output_dir`; the manifests by split.
+
+    `train_examples` > 0 keeps a stratified, seeded subset of that many of the training images left after
+    the validation holdout (small-scale studies); the validation and test splits stay whole."""
     if fmt not in LOADERS:
         raise ValueError(f"--format={fmt!r} is not one of: {', '.join(FORMATS)}")
     if num_shards < 1:
@@ -191,6 +194,12 @@ def convert_arrays(fmt: str, input_dir: str, output_dir: str, *, validation_exam
     (train_images, train_labels), (test_images, test_labels) = data["train"], data["test"]
     held_out = stratified_holdout(train_labels, validation_examples, seed)
     kept = np.setdiff1d(np.arange(len(train_labels)), held_out)
+    if train_examples:
+        if not 0 < train_examples <= len(kept):
+            raise ValueError(f"train_examples={train_examples} must be in [1, {len(kept)}] (the training images "
+                             f"left after holding out validation_examples={validation_examples})")
+        if train_examples < len(kept):  # the complement of a stratified holdout is a stratified subset
+            kept = np.setdiff1d(kept, kept[stratified_holdout(train_labels[kept], len(kept) - train_examples, seed)])
     os.makedirs(output_dir, exist_ok=True)
     parts = {"train": ("train", train_images, train_labels, kept),
              "validation": ("train", train_images, train_labels, held_out),

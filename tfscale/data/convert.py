@@ -156,7 +156,8 @@ def convert(input_dir: str, output_dir: str, split: str, num_shards: int, *, lab
 
 
 _FLAG_NAMES = ("format", "input_dir", "output_dir", "split", "num_shards", "labels_file", "class_order_file",
-               "class_text_file", "resize_shorter", "strict", "num_workers", "seed", "validation_examples")
+               "class_text_file", "resize_shorter", "strict", "num_workers", "seed", "validation_examples",
+               "train_examples")
 
 
 def _define_flags() -> None:
@@ -174,6 +175,8 @@ def _define_flags() -> None:
                          "of the train split (default 16), the others in proportion.")
     flags.DEFINE_integer("validation_examples", 5000, "idx/cifar: training images held out as the validation "
                          "split, stratified by class with --seed.")
+    flags.DEFINE_integer("train_examples", 0, "idx/cifar: keep a subset of this many training images (after the "
+                         "validation holdout), stratified by class with --seed; 0: all.")
     flags.DEFINE_string("labels_file", None, "For a flat folder: one class name per image, in sorted "
                         "file-name order.")
     flags.DEFINE_string("class_order_file", None, "Class names in label order, one per line "
@@ -193,7 +196,7 @@ def _convert_from_flags(f: flags.FlagValues) -> None:
         if f.split is not None:
             raise app.UsageError(f"--format={f.format} writes the train, validation and test splits at once: drop --split")
         arrays.convert_arrays(f.format, f.input_dir, f.output_dir, validation_examples=f.validation_examples,
-                              num_shards=f.num_shards or 16, seed=f.seed)
+                              train_examples=f.train_examples, num_shards=f.num_shards or 16, seed=f.seed)
         return
     missing = [f"--{name}" for name in ("split", "num_shards") if f[name].value is None]
     if missing:
