@@ -279,3 +279,43 @@ def test_gpu_variant_gets_its_own_job_name_and_workdir(tmp_path, shards):
     assert "#SBATCH --job-name=tfscale-r50_32gpu_amp-mwms" in sbatch_lines(amp)
     workdirs = [edit_block_values(tmp_path / name, "WORKDIR")["WORKDIR"] for name in ("plain.sbatch", "amp.sbatch")]
     assert [os.path.basename(w) for w in workdirs] == ["r50_32gpu", "r50_32gpu_amp"]
+
+
+# ---------------------------------------------------------------------------------------- studies
+
+STUDY = """
+def get_study():
+    return {"config": "configs/smoke.py", "overrides": ["--config.train.epochs=1"],
+            "cells": {"b32": ["--config.data.global_batch_size=32"], "b64": ["--config.data.global_batch_size=64"],
+                      "b90": ["--config.data.global_batch_size=90"]},
+            "seeds": [0, 1], "baseline": "b32"}
+"""
+
+
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_a_study_becomes_a_job_array_of_its_runs(tmp_path, backend, capsys):
+    study = tmp_path / "batch_study.py"
+    study.write_text(STUDY)
+    text = generate(tmp_path, f"--study={study}", "--nodes=1", "--gpus_per_node=0", "--tasks_per_node=2",
+                    f"--backend={backend}", "--array_parallel=2", f"--workdir={tmp_path / 'w'}")
+    assert "a job array of 6 runs (3 cells x 2 seeds)" in capsys.readouterr().out
+    lines = sbatch_lines(text)
+    assert "#SBATCH --array=0-5%2" in lines and f"#SBATCH --job-name=tfscale-study_batch_study-{backend}" in lines
+    assert "#SBATCH --output=tfscale-%x-%A_%a.out" in lines  # one log per array task
+    values = edit_block_values(tmp_path / "job.sbatch", "STUDY", "WORKDIR", "CONFIG")
+    assert values == {"STUDY": str(study), "WORKDIR": str(tmp_path / "w"), "CONFIG": os.path.join(REPO, "configs/smoke.py")}
+    assert_shellcheck_clean(tmp_path / "job.sbatch")
+
+
+def test_every_cell_of_a_study_is_validated_and_a_bad_one_named(tmp_path, capsys):
+    study = tmp_path / "batch_study.py"
+    study.write_text(STUDY)
+    # 4 replicas split 32 and 64, not 90.
+    code = make_sbatch.main([f"--study={study}", "--nodes=2", "--gpus_per_node=0", "--tasks_per_node=2",
+                             "--backend=mwms", f"--output={tmp_path / 'job.sbatch'}"])
+    assert code == 2 and not (tmp_path / "job.sbatch").exists()
+    err = capsys.readouterr().err
+    assert f"make_sbatch: study {study}, cell b90: 2 nodes x 2 tasks = 4 replicas:" in err and "90" in err
+    assert make_sbatch.main([f"--study={study}", f"--config={R50_32GPU}", "--nodes=1", "--gpus_per_node=4",
+                             "--backend=mwms"]) == 2
+    assert "give either --config (one run) or --study" in capsys.readouterr().err

@@ -3,7 +3,8 @@ tools/slurm_testbed.sh): scripts from tools/make_sbatch.py submitted with sbatch
 
 Covered: MWMS (TF_CONFIG derived from Slurm's environment by tfscale), MWMS steps that use part of a
 two-node allocation (two at once, one per node: the testbed emulates a second node on this host),
-Horovod over Gloo launched by horovodrun inside the job, preemption (SIGTERM to the batch shell as `--signal=B:TERM@T` delivers it ->
+Horovod over Gloo launched by horovodrun inside the job, a study as a job array (one task per run),
+preemption (SIGTERM to the batch shell as `--signal=B:TERM@T` delivers it ->
 forwarded to the tasks -> checkpoint, exit 75 -> `scontrol requeue` -> resumed run completes), and
 staging TFRecord shards to a node-local directory before a TFRecord recipe trains on the copy. Not coverable here: GPUs
 (--gpus-per-node lines are checked in test_make_sbatch.py only) and `srun --mpi=pmix` (this Horovod is
@@ -403,6 +404,66 @@ def test_horovodrun_sigterm_requeues_and_resumes(slurm, tmp_path):
                          "--config.train.epochs=10", "--config.train.log_every_steps=5")
     job_id = slurm.submit(script)
     assert_preempted_then_resumed(slurm, tmp_path, job_id, total_steps=200)
+
+
+# ------------------------------------------------------------------------------------------ studies
+
+TINY_STUDY = """
+def get_study():
+    return {"config": "configs/smoke.py",
+            "overrides": ["--config.train.epochs=0.25", "--config.schedule.warmup_epochs=0.1",
+                          "--config.train.eval_every_epochs=0.25", "--config.checkpoint.every_epochs=0.25"],
+            "cells": {"fast": ["--config.optim.lr_per_256=0.8"], "slow": ["--config.optim.lr_per_256=0.08"]},
+            "seeds": [0, 1], "baseline": "fast"}
+"""
+
+
+def wait_for_array(slurm, job_id: int, tasks: int, log_glob: str) -> list[str]:
+    """Waits until no task of array `job_id` is queued or running; returns the tasks' job logs."""
+    deadline = time.time() + JOB_TIMEOUT_S
+    while slurm.run("squeue", "-h", "-j", str(job_id)).strip():
+        if time.time() > deadline:
+            slurm.run("scancel", str(job_id))
+            raise AssertionError(f"array {job_id} not finished after {JOB_TIMEOUT_S} s (cancelled)")
+        time.sleep(POLL_INTERVAL_S)
+    logs_ = [open(path).read() for path in sorted(glob.glob(log_glob))]
+    assert len(logs_) == tasks, f"{len(logs_)} task logs, expected {tasks}"
+    return logs_
+
+
+@pytest.mark.slow
+def test_study_as_a_job_array_runs_every_cell_and_seed_and_skips_finished_runs(slurm, tmp_path):
+    study_file = tmp_path / "tiny_study.py"
+    study_file.write_text(TINY_STUDY)
+    script = tmp_path / "study.sbatch"
+    result = subprocess.run(
+        [sys.executable, MAKE_SBATCH, f"--study={study_file}", "--nodes=1", "--gpus_per_node=0", "--tasks_per_node=1",
+         "--cpus_per_task=1", "--backend=mwms", "--time=00:10:00", f"--workdir={tmp_path / 'study'}",
+         f"--output={script}", f"--job_output={tmp_path}/job-%A_%a.out"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "a job array of 4 runs (2 cells x 2 seeds)" in result.stdout
+    job_id = slurm.submit(script)
+    texts = wait_for_array(slurm, job_id, 4, str(tmp_path / f"job-{job_id}_*.out"))
+    for text in texts:
+        assert "training step exited with 0" in text, text[-3000:]
+    # Task K ran the study's run K (cells in file order x seeds), each in its own workdir, with its overrides.
+    for index, (cell, seed, lr_per_256) in enumerate([("fast", 0, 0.8), ("fast", 1, 0.8), ("slow", 0, 0.08),
+                                                     ("slow", 1, 0.08)]):
+        run = tmp_path / "study" / "runs" / cell / f"seed{seed}"
+        assert f"array task {index} trains" in texts[index] and str(run) in texts[index]
+        config = json.loads((run / "config.json").read_text())
+        assert config["seed"] == seed and config["optim"]["lr_per_256"] == lr_per_256
+        assert json.loads((run / "summary.json").read_text())["steps"] == 5
+    # The tasks refreshed the report as they ended: the last one saw all four runs.
+    report = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert [report["cells"][cell]["runs"] for cell in ("fast", "slow")] == [2, 2]
+    # Resubmitted (a lost or cancelled array, or a new seed list): finished runs are not trained again.
+    mtimes = sorted(os.path.getmtime(p) for p in glob.glob(str(tmp_path / "study" / "runs" / "*" / "*" / "summary.json")))
+    again = slurm.submit(script)
+    for text in wait_for_array(slurm, again, 4, str(tmp_path / f"job-{again}_*.out")):
+        assert "run finished already" in text and "training step exited" not in text, text[-3000:]
+    assert sorted(os.path.getmtime(p) for p in glob.glob(str(tmp_path / "study" / "runs" / "*" / "*" / "summary.json"))) == mtimes
 
 
 # ---------------------------------------------------------------------------------------- staging

@@ -119,3 +119,34 @@ def test_study_file_errors_name_file_and_key(tmp_path):
     bad.write_text("def get_study():\n    return {'config': 'configs/smoke.py'}\n")
     with pytest.raises(ValueError, match="lacks cells, seeds, baseline"):
         tfs_study.load_study(str(bad))
+
+
+def test_runs_are_numbered_cells_by_seeds_and_printed_for_array_tasks(tmp_path):
+    study_file = tmp_path / "tiny_study.py"
+    study_file.write_text(STUDY_FILE)
+    study = tfs_study.load_study(str(study_file))
+    assert [(cell.name, seed) for cell, seed in tfs_study.runs_of(study)] == [
+        ("lr_0.1", 0), ("lr_0.1", 1), ("lr_0.01", 0), ("lr_0.01", 1)]
+    printed = subprocess.run(study_command(study_file, tmp_path / "work") + ["--run_index=2", "--print_run"],
+                             cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert printed.stdout.splitlines() == [
+        "configs/smoke.py", str(tmp_path / "work" / "runs" / "lr_0.01" / "seed0"), "--config.train.epochs=0.25",
+        "--config.schedule.warmup_epochs=0.1", "--config.train.eval_every_epochs=0.25",
+        "--config.checkpoint.every_epochs=0.25", "--config.optim.lr_per_256=0.08", "--config.seed=0"]
+    assert not (tmp_path / "work" / "runs").exists()  # printing runs nothing
+    beyond = subprocess.run(study_command(study_file, tmp_path / "work") + ["--run_index=4", "--print_run"],
+                            cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=120)
+    assert beyond.returncode == 1 and "run index 4 is out of range: the study has 4 runs (0-3)" in beyond.stderr
+
+
+def test_a_shared_point_starts_every_line_it_names():
+    study = {"cells": {"b32": {"overrides": [], "plot_values": {"batch": 32, "method": ["naive", "linear"]}},
+                       "naive_b256": {"overrides": [], "plot_values": {"batch": 256, "method": "naive"}},
+                       "linear_b256": {"overrides": [], "plot_values": {"batch": 256, "method": "linear"}}},
+             "plot": {"x": "batch", "series": "method"}}
+    row = {"runs": 3, "top1_std": 0.01}
+    table = {name: {**row, "top1_mean": mean} for name, mean in (("b32", 0.9), ("naive_b256", 0.8),
+                                                                   ("linear_b256", 0.85))}
+    assert tfs_study.plot_series(study, table) == {"naive": [(32, 0.9, 0.01), (256, 0.8, 0.01)],
+                                                   "linear": [(32, 0.9, 0.01), (256, 0.85, 0.01)]}

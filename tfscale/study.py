@@ -18,7 +18,12 @@ Afterwards the summaries are collected into `study.json` (every run's figures), 
 runs, mean +- sample std of the final eval top-1, mean wall time, and the one-tailed Welch t-test
 p-value of "this cell's top-1 is lower than the baseline's", scipy.stats.ttest_ind with
 equal_var=False, alternative="less") and `study.png` (mean top-1 +- std against `plot.x` for each
-value of `plot.series`; the values come from the cells' `"plot_values"` entries, or their overrides).
+value of `plot.series`; the values come from the cells' `"plot_values"` entries; a list of series values
+puts the cell's point on each of those lines).
+
+On a Slurm cluster the runs can go out as a job array, one task a run, each with the job's nodes and
+GPUs: `tools/make_sbatch.py --study=STUDY_FILE ...` writes it; task K asks `--run_index=K --print_run`
+what to train, trains it with the template's launcher and refreshes the report (docs/studies.md).
 """
 
 from __future__ import annotations
@@ -81,10 +86,20 @@ def run_dir(workdir: str, cell: str, seed: int) -> str:
     return os.path.join(workdir, "runs", cell, f"seed{seed}")
 
 
+def runs_of(study: dict) -> list[tuple[Cell, int]]:
+    """Every run of the study, (cell, seed), in the order they run; a Slurm array task K runs the K-th."""
+    return [(cell, seed) for cell in cells_of(study) for seed in study["seeds"]]
+
+
+def run_overrides(study: dict, cell: Cell, seed: int) -> list[str]:
+    """The `--config.*` overrides of one run: the study's, the cell's, then its seed."""
+    return [*study.get("overrides", ()), *cell.overrides, f"--config.seed={seed}"]
+
+
 def train_command(study: dict, cell: Cell, seed: int, directory: str) -> list[str]:
     """The command of one run: tfscale.train, through tfscale.launch for more than one worker."""
     train = ["-m", "tfscale.train", f"--config={study['config']}", f"--workdir={directory}",
-             *study.get("overrides", ()), *cell.overrides, f"--config.seed={seed}"]
+             *run_overrides(study, cell, seed)]
     workers = int(study.get("num_workers", 1))
     if workers == 1:
         return [sys.executable, *train]
@@ -92,24 +107,40 @@ def train_command(study: dict, cell: Cell, seed: int, directory: str) -> list[st
             f"--backend={study.get('backend', 'mwms')}", "--", *train]
 
 
-def run_all(study: dict, workdir: str) -> None:
-    """Every cell x seed in order, skipping finished runs; a failed run stops the study, naming its log."""
-    for cell in cells_of(study):
-        for seed in study["seeds"]:
-            directory = run_dir(workdir, cell.name, seed)
-            if os.path.exists(os.path.join(directory, "summary.json")):
-                logging.info("skipping %s seed %d: finished (%s)", cell.name, seed, directory)
-                continue
-            os.makedirs(directory, exist_ok=True)
-            log_path = os.path.join(directory, "train.log")
-            logging.info("running %s seed %d -> %s", cell.name, seed, directory)
-            started = time.time()
-            with open(log_path, "a") as log:
-                code = subprocess.run(train_command(study, cell, seed, directory), stdout=log,
-                                      stderr=subprocess.STDOUT).returncode
-            if code != 0:
-                raise RuntimeError(f"run {cell.name} seed {seed} failed with exit code {code}; its log: {log_path}")
-            logging.info("finished %s seed %d in %.0f s", cell.name, seed, time.time() - started)
+def select_run(study: dict, index: int) -> tuple[Cell, int]:
+    runs = runs_of(study)
+    if not 0 <= index < len(runs):
+        raise ValueError(f"run index {index} is out of range: the study has {len(runs)} runs (0-{len(runs) - 1})")
+    return runs[index]
+
+
+def run_all(study: dict, workdir: str, runs: list[tuple[Cell, int]] | None = None) -> None:
+    """Every run (or those given) in order, skipping finished ones; a failed run stops the study, naming its log."""
+    for cell, seed in runs_of(study) if runs is None else runs:
+        directory = run_dir(workdir, cell.name, seed)
+        if os.path.exists(os.path.join(directory, "summary.json")):
+            logging.info("skipping %s seed %d: finished (%s)", cell.name, seed, directory)
+            continue
+        os.makedirs(directory, exist_ok=True)
+        log_path = os.path.join(directory, "train.log")
+        logging.info("running %s seed %d -> %s", cell.name, seed, directory)
+        started = time.time()
+        with open(log_path, "a") as log:
+            code = subprocess.run(train_command(study, cell, seed, directory), stdout=log,
+                                  stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            raise RuntimeError(f"run {cell.name} seed {seed} failed with exit code {code}; its log: {log_path}")
+        logging.info("finished %s seed %d in %.0f s", cell.name, seed, time.time() - started)
+
+
+def print_run(study: dict, workdir: str, index: int) -> None:
+    """What a Slurm array task needs to start run `index` with its own launcher (slurm/*.sbatch reads it):
+    one value a line: the config, the run's workdir (absolute), then its overrides."""
+    cell, seed = select_run(study, index)
+    lines = [study["config"], os.path.abspath(run_dir(workdir, cell.name, seed)), *run_overrides(study, cell, seed)]
+    if any("\n" in line for line in lines):
+        raise ValueError(f"cell {cell.name}: an override holds a line break, which the job script cannot pass on")
+    print("\n".join(lines))
 
 
 def collect(study: dict, workdir: str) -> dict[str, list[dict]]:
@@ -162,6 +193,21 @@ def markdown(study: dict, table: dict[str, dict], results: dict[str, list[dict]]
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+def plot_series(study: dict, table: dict[str, dict]) -> dict:
+    """{series value: sorted [(x, mean top-1, std)]} for study.png, from the cells' plot_values."""
+    spec = study["plot"]
+    series: dict = {}
+    for cell in cells_of(study):
+        row = table[cell.name]
+        if row["runs"] and spec["x"] in cell.plot_values:
+            labels = cell.plot_values.get(spec.get("series"), cell.name)
+            # A list: the point starts several lines (the small-batch baseline every method scales from).
+            for label in labels if isinstance(labels, (list, tuple)) else [labels]:
+                series.setdefault(label, []).append((cell.plot_values[spec["x"]], row["top1_mean"],
+                                                     0.0 if math.isnan(row["top1_std"]) else row["top1_std"]))
+    return {label: sorted(points) for label, points in series.items()}
+
+
 def plot(study: dict, table: dict[str, dict], path: str) -> bool:
     """study.png: mean top-1 +- std against plot.x, one line per plot.series value; False when not asked for."""
     spec = study.get("plot")
@@ -172,16 +218,9 @@ def plot(study: dict, table: dict[str, dict], path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict = {}
-    for cell in cells_of(study):
-        row = table[cell.name]
-        if row["runs"] and spec["x"] in cell.plot_values:
-            label = cell.plot_values.get(spec.get("series"), cell.name)
-            series.setdefault(label, []).append((cell.plot_values[spec["x"]], row["top1_mean"],
-                                                 0.0 if math.isnan(row["top1_std"]) else row["top1_std"]))
     figure, axes = plt.subplots(figsize=(6, 4))
-    for label, points in series.items():
-        xs, means, stds = zip(*sorted(points))
+    for label, points in plot_series(study, table).items():
+        xs, means, stds = zip(*points)
         axes.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=str(label))
     axes.set_xlabel(spec.get("x_label", spec["x"]))
     axes.set_ylabel("final eval top-1 (mean +- std over seeds)")
@@ -213,15 +252,21 @@ FLAGS = flags.FLAGS
 def main(argv: list[str]) -> None:
     logs.configure()
     if len(argv) != 2:
-        raise app.UsageError("usage: python -m tfscale.study STUDY_FILE --workdir=DIR [--report_only]")
+        raise app.UsageError("usage: python -m tfscale.study STUDY_FILE --workdir=DIR [--report_only] [--run_index=K]")
     try:
         study = load_study(argv[1])
+        runs = None if FLAGS.run_index is None else [select_run(study, FLAGS.run_index)]
+        if FLAGS.print_run:
+            if FLAGS.run_index is None:
+                raise ValueError("--print_run needs --run_index")
+            print_run(study, FLAGS.workdir, FLAGS.run_index)
+            return
     except (ValueError, OSError) as err:
         sys.exit(f"FATAL study error: {err}")
     os.makedirs(FLAGS.workdir, exist_ok=True)
     if not FLAGS.report_only:
         try:
-            run_all(study, FLAGS.workdir)
+            run_all(study, FLAGS.workdir, runs)
         except RuntimeError as err:
             sys.exit(f"FATAL {err}")
     table = report(study, FLAGS.workdir)
@@ -233,6 +278,10 @@ def run() -> None:
     """Console-script entry point (`tfscale-study`)."""
     flags.DEFINE_string("workdir", None, "Where the runs, study.json, study.md and study.png go.")
     flags.DEFINE_bool("report_only", False, "Only collect the finished runs into the report; run nothing.")
+    flags.DEFINE_integer("run_index", None, "Only this run (0-based, cells in file order x seeds), then the "
+                         "report: what one task of a Slurm job array does.")
+    flags.DEFINE_bool("print_run", False, "With --run_index: print the run's config, workdir and overrides, one a "
+                      "line, and run nothing (the sbatch templates' job-array mode reads this).")
     flags.mark_flag_as_required("workdir")
     app.run(main)
 

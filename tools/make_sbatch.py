@@ -18,6 +18,12 @@ validates the config with it. The job copies the shards to --stage_dir on each n
 disk) and trains with data.data_dir pointing at that copy; --stage_dir='' reads --data_dir in place.
 `--backend=horovod` adds `--launcher=srun-pmix` (MPI builds, default) or `horovodrun-gloo`.
 
+Studies: `--study=studies/lr_scaling_fmnist.py` instead of --config writes a job array, one task per
+run of the study (cells x seeds, `#SBATCH --array=0-N`, at most --array_parallel at once), every task
+with the nodes and GPUs asked for here. Every cell is validated now; task K trains the study's run K
+in WORKDIR/runs/<cell>/seed<k>, skips it when finished, and refreshes WORKDIR/study.md when it ends.
+The study file's relative paths (config, data) are relative to --tfscale_dir, where the tasks start.
+
 The script is the template with its #SBATCH lines and its EDIT HERE block filled in; everything else
 (staging, NCCL/Horovod presets, SIGTERM forwarding, requeue) is the template's, documented there.
 """
@@ -56,7 +62,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     overrides = [a for a in argv if a.startswith("--config.")]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="config file, e.g. configs/r50_32gpu.py")
+    parser.add_argument("--config", help="config file, e.g. configs/r50_32gpu.py (or --study)")
+    parser.add_argument("--study", help="a tfscale.study file: a job array with one task per run (cell x seed)")
+    parser.add_argument("--array_parallel", type=int, default=0,
+                        help="--study: at most this many array tasks at once (0: as many as the queue allows)")
     parser.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
     parser.add_argument("--gpus_per_node", type=int, required=True, help="GPUs per node (one task each); 0: CPU-only")
     parser.add_argument("--tasks_per_node", type=int, help="tasks per node; default: gpus_per_node (needed with 0 GPUs)")
@@ -69,7 +78,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--partition", help="Slurm partition; default: leave the placeholder commented out")
     parser.add_argument("--account", help="Slurm account; default: leave the placeholder commented out")
     parser.add_argument("--job_name", help="default: tfscale-<config name>-<backend>")
-    parser.add_argument("--job_output", default="tfscale-%x-%j.out", help="#SBATCH --output (the job's log)")
+    parser.add_argument("--job_output", help="#SBATCH --output (the job's log); default: tfscale-%%x-%%j.out, "
+                        "tfscale-%%x-%%A_%%a.out for a study's array")
     parser.add_argument("--signal_lead_s", type=int, default=300,
                         help="SIGTERM this many seconds before the time limit: enough to finish a step and checkpoint")
     parser.add_argument("--workdir", help="run directory on a shared file system; default: <tfscale_dir>/runs/<config name>")
@@ -83,6 +93,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--venv", default=sys.prefix, help="Python environment on the cluster; default: this one")
     parser.add_argument("--output", help="script to write; default: tfscale-<config name>-<backend>-<N>x<T>.sbatch")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
+    if bool(args.config) == bool(args.study):
+        raise UsageError("give either --config (one run) or --study (a job array over the study's runs)")
     return args, overrides
 
 
@@ -175,6 +187,13 @@ def check_config(cfg, nodes: int, tasks: int) -> None:
 # ---------------------------------------------------------------------------------------- content
 
 
+def job_stem(args: argparse.Namespace) -> str:
+    """The default job name's and workdir's stem: the config's name, or study_<name> for a study."""
+    if args.study:
+        return "study_" + os.path.splitext(os.path.basename(args.study))[0]
+    return config_name(args.config)
+
+
 def config_name(path: str) -> str:
     """`configs/r50_32gpu.py` -> r50_32gpu; `configs/r50_32gpu.py:amp` -> r50_32gpu_amp, so that the GPU
     variant's default job name and workdir are not the float32 recipe's."""
@@ -183,22 +202,25 @@ def config_name(path: str) -> str:
     return f"{name}_{variant}" if variant else name
 
 
-def sbatch_options(args: argparse.Namespace, tasks: int) -> dict[str, str | None]:
-    """#SBATCH option -> value ("" for a bare flag, None to delete the template's line)."""
+def sbatch_options(args: argparse.Namespace, tasks: int, num_runs: int = 0) -> dict[str, str | None]:
+    """#SBATCH option -> value ("" for a bare flag, None to delete the template's line); `num_runs` > 0:
+    a job array with one task per study run."""
     gpus = args.gpus_per_node
     cpus = args.cpus_per_task or (DEFAULT_GPU_CPUS_PER_TASK if gpus else 1)
     options = {
-        "job-name": args.job_name or f"tfscale-{config_name(args.config)}-{args.backend}",
+        "job-name": args.job_name or f"tfscale-{job_stem(args)}-{args.backend}",
         "nodes": str(args.nodes),
         "ntasks-per-node": str(tasks),
         "gpus-per-node": str(gpus) if gpus and args.gpu_request == "per_node" else None,
         "gpus-per-task": "1" if gpus and args.gpu_request == "per_task" else None,
         "cpus-per-task": str(cpus),
         "time": args.time,
-        "output": args.job_output,
+        "output": args.job_output or ("tfscale-%x-%A_%a.out" if args.study else "tfscale-%x-%j.out"),
         "signal": f"B:TERM@{args.signal_lead_s}",
         "requeue": "",
     }
+    if num_runs:
+        options["array"] = f"0-{num_runs - 1}" + (f"%{args.array_parallel}" if args.array_parallel else "")
     # Absent: the template's commented-out placeholder line stays as it is.
     if args.partition:
         options["partition"] = args.partition
@@ -209,7 +231,7 @@ def sbatch_options(args: argparse.Namespace, tasks: int) -> dict[str, str | None
 
 def edit_values(args: argparse.Namespace, overrides: list[str]) -> dict[str, str]:
     """EDIT HERE variable -> bash right-hand side (already quoted)."""
-    workdir = args.workdir or os.path.join(args.tfscale_dir, "runs", config_name(args.config))
+    workdir = args.workdir or os.path.join(args.tfscale_dir, "runs", job_stem(args))
     values = {
         "MODULES": double_quote(args.modules),
         "TFSCALE_DIR": double_quote(os.path.abspath(args.tfscale_dir)),
@@ -217,6 +239,7 @@ def edit_values(args: argparse.Namespace, overrides: list[str]) -> dict[str, str
         "CONFIG": double_quote(os.path.abspath(args.config)),
         "CONFIG_OVERRIDES": "(" + " ".join(shlex.quote(o) for o in overrides) + ")",
         "WORKDIR": double_quote(os.path.abspath(workdir)),
+        "STUDY": double_quote(os.path.abspath(args.study) if args.study else ""),
         "DATA_DIR": double_quote(data_dir_path(args.data_dir) if args.data_dir else ""),
         "STAGE_DIR": double_quote(args.stage_dir),
     }
@@ -284,16 +307,38 @@ def check_bash_syntax(path: str) -> None:
 # ------------------------------------------------------------------------------------------- main
 
 
+def study_cells(args: argparse.Namespace) -> tuple[int, list[tuple[str, list[str]]]]:
+    """--study: the number of runs, and (cell, overrides of its first seed) to validate; sets args.config to
+    the study's. Without --study: no runs, and the single config with no extra overrides."""
+    if not args.study:
+        return 0, [("", [])]
+    from tfscale import study as tfs_study
+
+    try:
+        study = tfs_study.load_study(args.study)
+    except (ValueError, OSError) as err:
+        raise UsageError(str(err)) from err
+    args.config = study["config"]
+    seed = study["seeds"][0]  # seeds change no key that validation checks
+    cells = [(cell.name, tfs_study.run_overrides(study, cell, seed)) for cell in tfs_study.cells_of(study)]
+    return len(tfs_study.runs_of(study)), cells
+
+
 def make_script(argv: list[str]) -> tuple[str, str]:
-    """Validates the request, writes the script; returns (path, one-line summary)."""
+    """Validates the request (every cell of a study), writes the script; returns (path, one-line summary)."""
     args, overrides = parse_args(argv)
     tasks = tasks_per_node(args)
-    cfg = load_config(args.config, validation_overrides(args, overrides))
-    check_data_request(cfg, args, overrides)
-    check_config(cfg, args.nodes, tasks)
+    num_runs, cells = study_cells(args)
+    for cell, cell_overrides in cells:
+        try:
+            cfg = load_config(args.config, validation_overrides(args, [*overrides, *cell_overrides]))
+            check_data_request(cfg, args, [*overrides, *cell_overrides])
+            check_config(cfg, args.nodes, tasks)
+        except UsageError as err:
+            raise UsageError(f"study {args.study}, cell {cell}: {err}" if cell else str(err)) from err
     with open(TEMPLATES[args.backend]) as f:
-        text = render(f.read(), sbatch_options(args, tasks), edit_values(args, overrides))
-    path = args.output or f"tfscale-{config_name(args.config)}-{args.backend}-{args.nodes}x{tasks}.sbatch"
+        text = render(f.read(), sbatch_options(args, tasks, num_runs), edit_values(args, overrides))
+    path = args.output or f"tfscale-{job_stem(args)}-{args.backend}-{args.nodes}x{tasks}.sbatch"
     with open(path, "w") as f:
         f.write(text)
     os.chmod(path, 0o755)
@@ -303,6 +348,9 @@ def make_script(argv: list[str]) -> tuple[str, str]:
     summary = (f"{args.nodes} nodes x {tasks} {device}s = {replicas} replicas, "
                f"{cfg.data.global_batch_size // replicas} images per replica per step "
                f"(global batch {cfg.data.global_batch_size}), backend {args.backend}")
+    if num_runs:
+        summary = (f"a job array of {num_runs} runs ({len(cells)} cells x {num_runs // len(cells)} seeds), each on "
+                   f"{args.nodes} nodes x {tasks} {device}s = {replicas} replicas, backend {args.backend}")
     return path, summary
 
 
