@@ -49,7 +49,7 @@ demo: venv
 	$(PY) tools/digits_demo.py --workdir=runs/demo
 
 test: venv horovod slurm fashion-mnist
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"

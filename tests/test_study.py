@@ -1,5 +1,6 @@
 """tfscale.study on a tiny grid (2 cells x 2 seeds of the smoke config): runs, table, p-values, plot, resume."""
 
+import glob
 import json
 import math
 import os
@@ -9,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, quiet_env
+from conftest import REPO, load_config, quiet_env
 from scipy import stats
 
 from tfscale import study as tfs_study
@@ -150,3 +151,54 @@ def test_a_shared_point_starts_every_line_it_names():
                                                                    ("linear_b256", 0.85))}
     assert tfs_study.plot_series(study, table) == {"naive": [(32, 0.9, 0.01), (256, 0.8, 0.01)],
                                                    "linear": [(32, 0.9, 0.01), (256, 0.85, 0.01)]}
+
+
+# --- the committed study files (studies/): what each cell actually trains with -----------------------------------
+
+STUDY_FILES = sorted(glob.glob(os.path.join(REPO, "studies", "*.py")))
+
+
+def cell_config(path: str, cell: str):
+    """The config a cell's first run trains with, parsed as tfscale.train parses it, and validated."""
+    from tfscale import config as tfs_config
+
+    study = tfs_study.load_study(path)
+    match = [c for c in tfs_study.cells_of(study) if c.name == cell]
+    name = os.path.splitext(os.path.basename(study["config"]))[0]
+    cfg = load_config(name, *tfs_study.run_overrides(study, match[0], study["seeds"][0]))
+    tfs_config.validate(cfg, num_replicas=int(study.get("num_workers", 1)))
+    return cfg, study
+
+
+@pytest.mark.parametrize("path", STUDY_FILES, ids=os.path.basename)
+def test_every_cell_of_the_committed_studies_validates(path):
+    study = tfs_study.load_study(path)
+    assert len(study["seeds"]) >= 3
+    for cell in tfs_study.cells_of(study):
+        cfg, _ = cell_config(path, cell.name)
+        assert cfg.data.data_dir == "runs/fmnist12k" and cfg.data.num_train_examples == 12_800
+
+
+def test_lr_scaling_cells_train_with_the_lrs_their_method_names():
+    from tfscale import schedules
+
+    path = os.path.join(REPO, "studies", "lr_scaling_fmnist.py")
+
+    def lr_table(cell):
+        cfg, _ = cell_config(path, cell)
+        steps_per_epoch = cfg.data.num_train_examples // cfg.data.global_batch_size
+        lr_at = schedules.make_schedule(cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=steps_per_epoch,
+                                        total_steps=int(cfg.train.epochs * steps_per_epoch))
+        return steps_per_epoch, lr_at
+
+    # Steps per epoch shrink 32-fold, as from 1 to 32 GPUs at a fixed per-GPU batch.
+    assert [lr_table(cell)[0] for cell in ("b32", "linear_b256", "linear_b1024")] == [400, 50, 12]
+    base = lr_table("b32")[1]
+    assert base(0) == pytest.approx(0.025) and base(4 * 400) == pytest.approx(0.0025)  # no warmup; /10 at epoch 4
+    assert lr_table("naive_b1024")[1](0) == pytest.approx(0.025)  # the baseline's LR, unscaled
+    assert lr_table("linear_b1024")[1](0) == pytest.approx(0.8)  # x32, from the first step
+    stepping = lr_table("stepping_b1024")[1]
+    assert [stepping(s) for s in (0, 11, 12, 23, 24)] == pytest.approx([0.8 / 3, 0.8 / 3, 1.6 / 3, 1.6 / 3, 0.8])
+    gradual = lr_table("gradual_b1024")[1]
+    assert gradual(0) == pytest.approx(0.025) and gradual(24) == pytest.approx(0.8)  # from the baseline's LR
+    assert 0.025 < gradual(12) < 0.8 and gradual(12) == pytest.approx((0.025 + 0.8) / 2)
