@@ -188,16 +188,18 @@ def test_cpu_only_needs_tasks_per_node(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ data
 
 
-def training_command(script_path, env) -> list[str]:
+def training_command(script_path, env, python="python", select_run="") -> list[str]:
     """The python arguments of every training task: the script's EDIT HERE block and common functions run
-    in bash (stage_data with a stand-in srun that copies nothing), then `train_args mwms`."""
+    in bash (`select_run`, e.g. select_study_run, then stage_data with a stand-in srun that copies
+    nothing), then `train_args mwms`."""
     text = open(script_path).read()
     edit_block = text[text.index("# ===") : text.index("set -euo pipefail")]
     common = text[text.index("# --- common:") : text.index("# --- end common")]
     out = os.path.join(os.path.dirname(script_path), "train_args")
     # The stand-in srun prints the staged directory, for a script that reads it from stage_data.py's stdout.
     stand_in = 'srun() { local a; for a in "$@"; do case $a in --dest_dir=*) echo "${a#--dest_dir=}" ;; esac; done; }\n'
-    run = f'PYTHON=python\nstage_data > /dev/null\ntrain_args mwms\nprintf "%s\\0" "${{TRAIN_ARGS[@]}}" > {out}\n'
+    run = (f'PYTHON={python}\n{select_run}\nstage_data > /dev/null\ntrain_args mwms\n'
+           f'printf "%s\\0" "${{TRAIN_ARGS[@]}}" > {out}\n')
     subprocess.run(["bash", "-c", edit_block + common + stand_in + run], check=True, capture_output=True, text=True,
                    env={"PATH": os.environ["PATH"], **env})
     return open(out).read().split("\0")[:-1]
@@ -319,3 +321,19 @@ def test_every_cell_of_a_study_is_validated_and_a_bad_one_named(tmp_path, capsys
     assert make_sbatch.main([f"--study={study}", f"--config={R50_32GPU}", "--nodes=1", "--gpus_per_node=4",
                              "--backend=mwms"]) == 2
     assert "give either --config (one run) or --study" in capsys.readouterr().err
+
+
+def test_an_array_task_trains_its_run_with_the_jobs_own_overrides_last(tmp_path):
+    study = tmp_path / "batch_study.py"
+    study.write_text(STUDY)
+    generate(tmp_path, f"--study={study}", "--nodes=1", "--gpus_per_node=0", "--tasks_per_node=2", "--backend=mwms",
+             f"--workdir={tmp_path / 'w'}", "--config.train.epochs=2")
+    # Task 3: the second cell (b64), second seed (1).
+    train_args = training_command(tmp_path / "job.sbatch", {"SLURM_ARRAY_TASK_ID": "3"}, python=sys.executable,
+                                  select_run="select_study_run")
+    assert train_args[2:4] == ["--config=configs/smoke.py", f"--workdir={tmp_path / 'w' / 'runs' / 'b64' / 'seed1'}"]
+    config = config_as_train_loads_it(train_args)
+    assert (config["seed"], config["data"]["global_batch_size"]) == (1, 64)
+    assert config["train"]["epochs"] == 2  # the job's override, given after the study file's epochs=1
+    assert make_sbatch.main([f"--study={study}", "--nodes=1", "--gpus_per_node=0", "--tasks_per_node=2",
+                             "--backend=mwms", "--config.seed=5", f"--output={tmp_path / 'x.sbatch'}"]) == 2

@@ -22,6 +22,7 @@ Studies: `--study=studies/lr_scaling_fmnist.py` instead of --config writes a job
 run of the study (cells x seeds, `#SBATCH --array=0-N`, at most --array_parallel at once), every task
 with the nodes and GPUs asked for here. Every cell is validated now; task K trains the study's run K
 in WORKDIR/runs/<cell>/seed<k>, skips it when finished, and refreshes WORKDIR/study.md when it ends.
+`--config.x.y=v` overrides given here apply to every run and win over the study file's.
 The study file's relative paths (config, data) are relative to --tfscale_dir, where the tasks start.
 
 The script is the template with its #SBATCH lines and its EDIT HERE block filled in; everything else
@@ -329,10 +330,13 @@ def make_script(argv: list[str]) -> tuple[str, str]:
     args, overrides = parse_args(argv)
     tasks = tasks_per_node(args)
     num_runs, cells = study_cells(args)
+    if args.study and any(o.startswith("--config.seed=") for o in overrides):
+        raise UsageError("--config.seed with --study: the study file's seeds set each run's seed")
     for cell, cell_overrides in cells:
         try:
-            cfg = load_config(args.config, validation_overrides(args, [*overrides, *cell_overrides]))
-            check_data_request(cfg, args, [*overrides, *cell_overrides])
+            # The job's own overrides come last and win, as in the job script.
+            cfg = load_config(args.config, validation_overrides(args, [*cell_overrides, *overrides]))
+            check_data_request(cfg, args, [*cell_overrides, *overrides])
             check_config(cfg, args.nodes, tasks)
         except UsageError as err:
             raise UsageError(f"study {args.study}, cell {cell}: {err}" if cell else str(err)) from err
