@@ -217,16 +217,22 @@ def plot(study: dict, table: dict[str, dict], path: str) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for label, points in plot_series(study, table).items():
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    series = plot_series(study, table)
+    for label, points in series.items():
         xs, means, stds = zip(*points)
         axes.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=str(label))
     axes.set_xlabel(spec.get("x_label", spec["x"]))
     axes.set_ylabel("final eval top-1 (mean +- std over seeds)")
     if spec.get("log_x"):
         axes.set_xscale("log", base=2)
-    axes.set_title(study.get("title", ""))
+        # Tick the grid's own values, written as numbers (32, 256, 1024), not as powers of two.
+        axes.set_xticks(sorted({x for points in series.values() for x, _, _ in points}))
+        axes.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axes.set_title(study.get("title", ""), fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(title=spec.get("series"))
     figure.tight_layout()
