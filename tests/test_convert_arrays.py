@@ -202,6 +202,15 @@ def test_converted_idx_trains_through_the_cli(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.load(open(tmp_path / "run" / "summary.json"))
     assert summary["steps"] == 8 and 0.0 <= summary["eval_top1"] <= 1.0
+    # A config that disagrees with what was converted stops on one line naming key, value and manifest.
+    wrong = subprocess.run(
+        [sys.executable, "-m", "tfscale.train", "--config=configs/fmnist_resnet.py", f"--workdir={tmp_path / 'bad'}",
+         f"--config.data.data_dir={tmp_path / 'shards'}", "--config.data.num_train_examples=320"],
+        cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 1
+    assert wrong.stderr.strip().splitlines()[-1] == (
+        f"FATAL config error: config.data.num_train_examples=320 but {tmp_path / 'shards' / 'manifest-train.json'} "
+        "says 256")
 
 
 @pytest.mark.skipif(not os.path.isdir(FASHION_MNIST_DIR),

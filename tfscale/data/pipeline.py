@@ -27,6 +27,7 @@ import ml_collections
 import tensorflow as tf
 
 from tfscale import io as tfio
+from tfscale.config import ConfigError
 from tfscale.data import assignment, batch_augment, preprocess, stage, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
@@ -89,7 +90,8 @@ def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, s
          manifest["num_examples"]),
     ):
         if ours != theirs:
-            raise ValueError(f"config.{key}={ours} but {where} says {theirs}")
+            # A config error (the run stops on a one-line FATAL naming key, value and manifest), not a traceback.
+            raise ConfigError(f"config.{key}={ours} but {where} says {theirs}")
     for shard in manifest["shards"]:
         path = os.path.join(data_dir, shard["name"])
         if not tf.io.gfile.exists(path):
