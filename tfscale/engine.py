@@ -233,7 +233,10 @@ def _compiled_loop(global_step, optimizer, step: tf.Variable, learning_rate):
         for i in tf.range(num_steps):
             if learning_rate is not None:
                 optimizer.learning_rate.assign(learning_rate(step))
-            loss, stopping = tf.unstack(global_step(iterator, stop_requested))
+            # Each step waits for the previous step's loss all-reduce: nothing else orders them, and
+            # Horovod refuses a collective whose name (the same in every iteration) is still in flight.
+            with tf.control_dependencies([stopping]):
+                loss, stopping = tf.unstack(global_step(iterator, stop_requested))
             step.assign_add(1)
             losses = losses.write(i, loss)
         return losses.stack(), stopping
