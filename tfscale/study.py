@@ -133,10 +133,9 @@ def run_all(study: dict, workdir: str, runs: list[tuple[Cell, int]] | None = Non
         logging.info("finished %s seed %d in %.0f s", cell.name, seed, time.time() - started)
 
 
-def print_run(study: dict, workdir: str, index: int) -> None:
-    """What a Slurm array task needs to start run `index` with its own launcher (slurm/*.sbatch reads it):
+def print_run(study: dict, workdir: str, cell: Cell, seed: int) -> None:
+    """What a Slurm array task needs to start one run with its own launcher (slurm/*.sbatch reads it):
     one value a line: the config, the run's workdir (absolute), then its overrides."""
-    cell, seed = select_run(study, index)
     lines = [study["config"], os.path.abspath(run_dir(workdir, cell.name, seed)), *run_overrides(study, cell, seed)]
     if any("\n" in line for line in lines):
         raise ValueError(f"cell {cell.name}: an override holds a line break, which the job script cannot pass on")
@@ -263,9 +262,9 @@ def main(argv: list[str]) -> None:
         study = load_study(argv[1])
         runs = None if FLAGS.run_index is None else [select_run(study, FLAGS.run_index)]
         if FLAGS.print_run:
-            if FLAGS.run_index is None:
+            if runs is None:
                 raise ValueError("--print_run needs --run_index")
-            print_run(study, FLAGS.workdir, FLAGS.run_index)
+            print_run(study, FLAGS.workdir, *runs[0])
             return
     except (ValueError, OSError) as err:
         sys.exit(f"FATAL study error: {err}")

@@ -349,12 +349,13 @@ def make_script(argv: list[str]) -> tuple[str, str]:
     check_bash_syntax(path)
     replicas = args.nodes * tasks
     device = "GPU" if args.gpus_per_node else "CPU task"
-    summary = (f"{args.nodes} nodes x {tasks} {device}s = {replicas} replicas, "
-               f"{cfg.data.global_batch_size // replicas} images per replica per step "
-               f"(global batch {cfg.data.global_batch_size}), backend {args.backend}")
     if num_runs:
         summary = (f"a job array of {num_runs} runs ({len(cells)} cells x {num_runs // len(cells)} seeds), each on "
                    f"{args.nodes} nodes x {tasks} {device}s = {replicas} replicas, backend {args.backend}")
+    else:
+        summary = (f"{args.nodes} nodes x {tasks} {device}s = {replicas} replicas, "
+                   f"{cfg.data.global_batch_size // replicas} images per replica per step "
+                   f"(global batch {cfg.data.global_batch_size}), backend {args.backend}")
     return path, summary
 
 
