@@ -21,7 +21,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import config as tfs_config
-from tfscale import schedules
+from tfscale import io, schedules
 
 
 class LearningRatePerStep(keras.callbacks.Callback):
@@ -116,13 +116,15 @@ class MetricsLogger(keras.callbacks.Callback):
         # CallbackList hands over every number as a float; counts go back to ints.
         row = {k: int(v) if k in ("step", "eval_examples") else v for k, v in row.items()}
         row["time"] = round(time.time(), 3)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        with self.writer.as_default(step=int(row["step"])):
-            for key, value in row.items():
-                if key not in ("step", "time"):
-                    tf.summary.scalar(key, value)
-        self.writer.flush()
+        io.append_line(self.metrics_path, json.dumps(row))  # whole or not at all, even on a full disk
+        try:
+            with self.writer.as_default(step=int(row["step"])):
+                for key, value in row.items():
+                    if key not in ("step", "time"):
+                        tf.summary.scalar(key, value)
+            self.writer.flush()
+        except tf.errors.OpError as err:
+            raise io.write_error(os.path.join(os.path.dirname(self.metrics_path), "tensorboard"), err) from err
 
     def _seconds_per_step(self) -> float:
         """Mean training-step time without the first interval after a (re)start, which pays for tracing."""

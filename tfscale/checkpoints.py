@@ -9,17 +9,32 @@ stops when float16 loss scaling skips an update.
 Where each worker writes: the chief to `workdir/checkpoints`. Under tf.distribute strategies saving is
 a collective, so the other workers must save at the same moment, into a scratch directory that is
 discarded at the end. A Horovod rank saves (or not) on its own: only the chief does.
+
+What a fault leaves: TensorFlow writes a checkpoint's files first and lists it in the `checkpoint`
+state file last (atomically), so a save killed part-way leaves the earlier checkpoints listed and
+usable. A listed checkpoint that cannot be read (a file lost or cut short on the file system) is
+skipped with a warning and the next older one restored; when none can be, the run stops naming
+each file and why, never starting over in silence. A save that fails (disk full, quota) removes
+its partial files and raises `io.WriteError` naming the directory and the free space.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import tempfile
 from typing import Callable
 
 import tensorflow as tf
 from absl import logging
+
+from tfscale import io
+
+
+class CheckpointError(RuntimeError):
+    """The workdir has checkpoints, and none of them can be restored; the message names each and why."""
 
 
 class Checkpoints:
@@ -54,20 +69,42 @@ class Checkpoints:
         Every worker restores from the chief's directory (the workdir is on a shared file system).
         Afterwards all workers hold the chief's state: Horovod ranks each initialised on their own.
         """
-        latest = tf.train.latest_checkpoint(self.directory)
-        if latest:
-            self._checkpoint.restore(latest).assert_existing_objects_matched()
+        restored = self._restore_newest_usable()
+        if restored:
             self._last_saved_step = int(self.step.numpy())  # not written again by the first save
-            logging.info("resumed from %s at step %d", latest, self._last_saved_step)
+            logging.info("resumed from %s at step %d", restored, self._last_saved_step)
         else:
             init()
         self.cluster.broadcast_from_chief(self._state)
         return int(self.step.numpy())
 
+    def _restore_newest_usable(self) -> str | None:
+        """Restores the newest checkpoint that reads back whole; its prefix, or None when there is none."""
+        candidates = listed_checkpoints(self.directory)
+        failures = []
+        for prefix in candidates:
+            try:
+                self._checkpoint.restore(prefix).assert_existing_objects_matched()
+                return prefix
+            except (tf.errors.OpError, ValueError, AssertionError) as err:
+                reason = " ".join(str(err).split())[:300]
+                logging.warning("skipping checkpoint %s: it cannot be restored (%s)", prefix, reason)
+                failures.append(f"{prefix} ({reason})")
+        if failures:
+            raise CheckpointError(
+                f"no usable checkpoint in {self.directory}: " + "; ".join(failures) + ". Nothing was deleted; "
+                "restore the files, or move the directory away to train from scratch"
+            )
+        return None
+
     def save(self, global_step: int) -> None:
         """Saves `global_step` unless it is already saved; every worker calls it (it may be a collective)."""
         if self._manager is not None and global_step != self._last_saved_step:
-            self._manager.save(checkpoint_number=global_step)
+            try:
+                self._manager.save(checkpoint_number=global_step)
+            except (tf.errors.OpError, OSError) as err:
+                _remove_partial_save(self._manager.directory, global_step)
+                raise io.write_error(os.path.join(self._manager.directory, f"ckpt-{global_step}"), err) from err
             self._last_saved_step = global_step
             logging.info("saved checkpoint at step %d to %s", global_step, self._manager.directory)
 
@@ -75,3 +112,32 @@ class Checkpoints:
         """Discards this worker's scratch directory (only the chief's checkpoints are kept)."""
         if self._manager is not None and not self.cluster.is_chief:
             shutil.rmtree(self._manager.directory, ignore_errors=True)
+
+
+def listed_checkpoints(directory: str) -> list[str]:
+    """Checkpoint prefixes in `directory`, newest first: those the state file lists, or, when that file
+    is unreadable, every `ckpt-N` with an index file."""
+    try:
+        state = tf.train.get_checkpoint_state(directory)
+    except (tf.errors.OpError, ValueError) as err:  # a state file that is not a CheckpointState
+        logging.warning("checkpoint state file in %s unreadable (%s); looking for ckpt-N files", directory, err)
+        state = None
+        found = glob.glob(os.path.join(glob.escape(directory), "ckpt-*.index"))
+        return sorted((path[: -len(".index")] for path in found), key=_checkpoint_number, reverse=True)
+    if state is None:
+        return []
+    return list(reversed(state.all_model_checkpoint_paths or [state.model_checkpoint_path]))
+
+
+def _checkpoint_number(prefix: str) -> int:
+    match = re.search(r"-(\d+)$", prefix)
+    return int(match.group(1)) if match else -1
+
+
+def _remove_partial_save(directory: str, number: int) -> None:
+    """Deletes what a failed save of `ckpt-number` left (never a listed, complete checkpoint)."""
+    prefix = os.path.join(directory, f"ckpt-{number}")
+    if any(os.path.basename(p) == os.path.basename(prefix) for p in listed_checkpoints(directory)):
+        return
+    for path in glob.glob(glob.escape(prefix) + "[._]*"):
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else io.remove_quietly(path)

@@ -158,6 +158,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.every_epochs = 1.0  # save this often (and at the end)
     c.checkpoint.max_to_keep = 3  # older checkpoints are deleted
 
+    c.resume = ml_collections.ConfigDict()
+    c.resume.allow_config_changes = False  # True: resume even when result-changing keys differ from config.json (recorded in config_history.jsonl)
+    c.resume.lock_stale_after_s = 120.0  # another host's workdir lock not refreshed this long is a dead job's: taken over
+
     c.distribute = ml_collections.ConfigDict()
     c.distribute.backend = "one_device"  # one_device | mirrored (all local GPUs) | mwms (MultiWorkerMirroredStrategy) | horovod
     c.distribute.num_cpu_devices = 1  # mirrored on a CPU host: split the CPU into this many devices
@@ -358,7 +362,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
         "data.global_batch_size", "data.shuffle_buffer", "data.interleave_cycle", "optim.lr",
         "train.epochs", "train.log_every_steps", "train.eval_every_epochs", "train.steps_per_loop",
         "optim.grad_accum_steps", "distribute.device_prefetch_batches", "checkpoint.every_epochs", "checkpoint.max_to_keep", "distribute.num_cpu_devices",
-        "distribute.connect_timeout_s", "distribute.heartbeat_timeout_s",
+        "distribute.connect_timeout_s", "distribute.heartbeat_timeout_s", "resume.lock_stale_after_s",
         "benchmark.num_batches", "benchmark.display_every", "benchmark.rounds", "benchmark.breakdown_batches",
     ))
     if cfg.data.global_batch_size > cfg.data.num_train_examples:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Callable
 
 import keras
 import ml_collections
@@ -44,15 +45,18 @@ class Run:
     data_dir: str  # where the shards are read from (the staged copy when data.stage_dir is set)
 
 
-def setup(cfg: ml_collections.ConfigDict) -> Run:
+def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Cluster], None] | None = None) -> Run:
     """Checks `cfg`, joins the cluster, then checks the data: each failure before anything costlier.
 
     Config mistakes fail before a cluster is waited for; the batch split is checked once the number
     of replicas is known; missing shards or a manifest mismatch fail before any model is built.
+    `before_data(cluster)` runs between the last two (training claims its workdir there, before staging).
     """
     tfs_config.validate(cfg)
     cluster = distribute.setup(cfg.distribute)
     tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
+    if before_data is not None:
+        before_data(cluster)
     data_dir = pipeline.prepare_data_dir(
         cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples
     )

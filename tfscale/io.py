@@ -19,6 +19,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 from typing import Iterator
 
 _TEMP_INFIX = ".tmp-"
@@ -32,6 +33,24 @@ MANIFEST_GLOBS = (MANIFEST_FORMAT.format(split="*"), LEGACY_MANIFEST_FORMAT.form
 
 class ManifestError(ValueError):
     """A manifest exists but cannot be used (not JSON, no list of shards); the message names the file."""
+
+
+class WriteError(OSError):
+    """A run's file could not be written (disk full, quota, permissions); names the path and the free space."""
+
+
+def write_error(path: str, err: BaseException) -> WriteError:
+    """A WriteError for `path` that says why (the first line of `err`) and how much space is left there."""
+    reason = getattr(err, "strerror", None) or " ".join(str(err).split())[:300] or type(err).__name__
+    directory = os.path.dirname(os.path.abspath(path))
+    while directory and not os.path.exists(directory):
+        directory = os.path.dirname(directory)
+    try:
+        usage = shutil.disk_usage(directory)
+        space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on that file system"
+    except OSError:
+        space = "free space unknown"
+    return WriteError(getattr(err, "errno", None), f"could not write {path}: {reason} ({space})")
 
 
 # ------------------------------------------------------------------------------------ atomic writes
@@ -64,6 +83,9 @@ def replaced_on_success(path: str) -> Iterator[str]:
     try:
         yield temp
         os.replace(temp, path)
+    except OSError as err:
+        remove_quietly(temp)
+        raise err if isinstance(err, WriteError) else write_error(path, err) from err
     except BaseException:
         remove_quietly(temp)
         raise
@@ -81,6 +103,27 @@ def write_bytes(path: str, data: bytes) -> None:
 def write_json(path: str, obj, *, indent: int = 2, sort_keys: bool = False) -> None:
     """Writes `obj` as JSON (plus a final newline) to `path` atomically: never a half-written file."""
     write_bytes(path, (json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n").encode("utf-8"))
+
+
+def append_line(path: str, line: str) -> None:
+    """Appends `line` and a newline to `path`, whole or not at all: a failed write (disk full) is cut
+    off again, so the file never ends in half a line; raises WriteError naming the path."""
+    data = (line + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):  # a short write: the file system ran out of space part-way
+                raise OSError(28, os.strerror(28))  # ENOSPC
+        except OSError as err:
+            try:
+                os.ftruncate(fd, end)
+            except OSError:
+                pass
+            raise write_error(path, err) from err
+    finally:
+        os.close(fd)
 
 
 def remove_quietly(path: str) -> None:

@@ -30,11 +30,15 @@ from absl import logging
 from tfscale import callbacks as tfs_callbacks
 from tfscale import checkpoints, ema, engine, init_from, io, local_sgd, schedules
 from tfscale import config as tfs_config
+from tfscale import workdir as workdirs
 from tfscale.data import assignment, pipeline
 
-# Exit code after SIGTERM: the checkpoint is saved, rerun the same command (requeue) to resume.
-# 75 is sysexits' EX_TEMPFAIL ("temporary failure; the user is invited to retry").
-EXIT_PREEMPTED = 75
+# Exit codes (sysexits.h) that a batch script can act on; docs/reliability.md lists them all.
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM, checkpoint saved: rerun the same command (requeue) to resume
+EXIT_WORKDIR_BUSY = 73  # EX_CANTCREAT: another live job holds the workdir
+EXIT_WRITE_FAILED = 74  # EX_IOERR: a checkpoint, metrics or summary write failed (disk full, quota)
+EXIT_CONFIG = 1  # the run's config cannot run (or would change a resumed run's result): fix it
+EXIT_CHECKPOINT = 1  # no usable checkpoint in a workdir that has some
 
 
 class Preempted(Exception):
@@ -45,6 +49,14 @@ class Preempted(Exception):
         self.step = step
 
 
+class ChiefRefused(RuntimeError):
+    """A non-chief worker's view of the chief refusing the workdir: same exit code, the reason is in rank 0's log."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(f"the chief (rank 0) refused the workdir (exit code {exit_code}); its log says why")
+        self.exit_code = exit_code
+
+
 def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> dict:
     """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns the summary.
 
@@ -52,16 +64,43 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
     Setting `model.stop_training` from one ends the run at the end of the current loop of steps
     (`train.steps_per_loop`), checkpointed.
     """
-    run = engine.setup(cfg)
-    os.makedirs(workdir, exist_ok=True)
-    if run.cluster.is_chief:
-        io.write_json(os.path.join(workdir, "config.json"), cfg.to_dict(), sort_keys=True)
+    locks = []
+    run = engine.setup(cfg, before_data=lambda cluster: locks.extend(_claim_workdir(cluster, workdir, cfg)))
     stop_requested, restore_sigterm = _watch_sigterm()
     try:
         with engine.precision_policy(cfg.precision):
             return _train(run, workdir, extra_callbacks, stop_requested)
     finally:
         restore_sigterm()
+        for lock in locks:
+            lock.release()
+
+
+def _claim_workdir(cluster, workdir: str, cfg: ml_collections.ConfigDict) -> list[workdirs.Lock]:
+    """The chief locks `workdir`, checks a resumed run's config and writes config.json; every worker
+    learns its verdict, so a refusal stops the whole job at once (the others would otherwise wait for
+    the chief in their first collective). Returns the chief's lock ([] on the others)."""
+    refusal, locks = None, []
+    if cluster.is_chief:
+        try:
+            locks.append(workdirs.claim(workdir, cfg.to_dict(), cfg.resume))
+        except (workdirs.WorkdirBusy, tfs_config.ConfigError, io.WriteError) as err:
+            refusal = err
+    chief_code = cluster.gather_per_worker([float(exit_code(refusal)) if refusal else 0.0])[0][0]
+    if refusal is not None:
+        raise refusal
+    if chief_code:
+        raise ChiefRefused(int(chief_code))
+    return locks
+
+
+def exit_code(err: BaseException) -> int:
+    """The process exit code for an error that ends a run (1 for anything unforeseen)."""
+    codes = ((Preempted, EXIT_PREEMPTED), (workdirs.WorkdirBusy, EXIT_WORKDIR_BUSY), (io.WriteError, EXIT_WRITE_FAILED),
+             (tfs_config.ConfigError, EXIT_CONFIG), (checkpoints.CheckpointError, EXIT_CHECKPOINT))
+    if isinstance(err, ChiefRefused):
+        return err.exit_code
+    return next((code for kind, code in codes if isinstance(err, kind)), 1)
 
 
 def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threading.Event) -> dict:
@@ -79,6 +118,7 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
                                     max_to_keep=cfg.checkpoint.max_to_keep, extra=sync_counts)
     # config.model.init_from applies to a fresh run only: resuming wins over it.
     start_step = ckpts.restore_or_init(lambda: init_from.apply(cfg, model, engine.build_model))
+    logged = workdirs.trim_metrics(workdir, start_step) if run.cluster.is_chief else []
     summary_path = os.path.join(workdir, "summary.json")
     if start_step >= steps.train_steps and os.path.exists(summary_path):
         logging.info("training already complete at step %d; summary in %s", start_step, summary_path)
@@ -94,6 +134,8 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     run_eval = _evaluator(run, model, callback_list)
     loops = engine.Loops(run, plan, model, optimizer, ckpts.step, learning_rate.device_schedule, sync_counts)
     start_time = time.time()
+    if _eval_missing_at(run, plan, start_step, logged):  # stopped at an eval step before its eval ran
+        run_eval(start_step)
     eval_results = _train_loop(run, model, loops, ckpts, callback_list, run_eval, stop_requested, start_step)
     final_step = int(ckpts.step.numpy())
     if not plan.in_agreement(final_step):  # stopped by a callback between world syncs
@@ -111,6 +153,15 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
         io.write_json(summary_path, summary, sort_keys=True)
         logging.info("done: %s; workdir %s", json.dumps(summary), os.path.abspath(workdir))
     return summary
+
+
+def _eval_missing_at(run: engine.Run, plan: local_sgd.SyncPlan, start_step: int, logged: list[dict]) -> bool:
+    """True on every worker when the run resumes at an eval step whose eval row the chief lacks
+    (SIGTERM or a kill between that step's checkpoint and its eval): eval is a collective, so the
+    chief's view decides for all."""
+    due = 0 < start_step < run.steps.train_steps and plan.due(start_step, run.steps.eval_every_steps)
+    missing = due and not any("eval_top1" in row and row["step"] == start_step for row in logged)
+    return bool(run.cluster.gather_per_worker([float(missing)])[0][0]) if due else False
 
 
 def _learning_rate_callback(run: engine.Run) -> tfs_callbacks.LearningRatePerStep:
@@ -290,12 +341,16 @@ def _watch_sigterm() -> tuple[threading.Event, callable]:
 
 
 def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> None:
-    """The CLI's work: train, and turn a preemption into its documented exit code."""
+    """The CLI's work: train, and turn a preemption or a fault the user must act on into its exit code
+    (config errors: `run_cli` prints them as one FATAL line)."""
     try:
         train_and_evaluate(cfg, workdir, extra_callbacks)
     except Preempted as preempted:
         logging.warning("%s; exit code %d", preempted, EXIT_PREEMPTED)
         sys.exit(EXIT_PREEMPTED)
+    except (workdirs.WorkdirBusy, io.WriteError, checkpoints.CheckpointError, ChiefRefused) as err:
+        logging.error("%s; exit code %d", err, exit_code(err))  # the user's to act on: one line, no traceback
+        sys.exit(exit_code(err))
 
 
 def run():
