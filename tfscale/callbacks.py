@@ -71,7 +71,12 @@ class MetricsLogger(keras.callbacks.Callback):
         self.train_steps = train_steps
         self.log_every_steps = log_every_steps
         self.metrics_path = os.path.join(workdir, "metrics.jsonl")
-        self.writer = tf.summary.create_file_writer(os.path.join(workdir, "tensorboard")) if is_chief else None
+        self.writer, self.writer_dir = None, os.path.join(workdir, "tensorboard")
+        if is_chief:
+            try:
+                self.writer = tf.summary.create_file_writer(self.writer_dir)
+            except tf.errors.OpError as err:  # e.g. a full disk: TensorFlow writes the first event at once
+                raise io.write_error(self.writer_dir, err) from err
         self.intervals = []  # (steps, seconds) of each logged training interval
         self._mark_time = None
         self._mark_step = None
@@ -124,7 +129,7 @@ class MetricsLogger(keras.callbacks.Callback):
                         tf.summary.scalar(key, value)
             self.writer.flush()
         except tf.errors.OpError as err:
-            raise io.write_error(os.path.join(os.path.dirname(self.metrics_path), "tensorboard"), err) from err
+            raise io.write_error(self.writer_dir, err) from err
 
     def _seconds_per_step(self) -> float:
         """Mean training-step time without the first interval after a (re)start, which pays for tracing."""

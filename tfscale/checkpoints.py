@@ -86,7 +86,7 @@ class Checkpoints:
             try:
                 self._checkpoint.restore(prefix).assert_existing_objects_matched()
                 return prefix
-            except (tf.errors.OpError, ValueError, AssertionError) as err:
+            except Exception as err:  # noqa: BLE001 - TensorFlow's reader raises OpError, ValueError, IndexError...
                 reason = " ".join(str(err).split())[:300]
                 logging.warning("skipping checkpoint %s: it cannot be restored (%s)", prefix, reason)
                 failures.append(f"{prefix} ({reason})")

@@ -19,6 +19,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 from typing import Iterator
 
@@ -41,7 +42,9 @@ class WriteError(OSError):
 
 def write_error(path: str, err: BaseException) -> WriteError:
     """A WriteError for `path` that says why (the first line of `err`) and how much space is left there."""
-    reason = getattr(err, "strerror", None) or " ".join(str(err).split())[:300] or type(err).__name__
+    # TensorFlow's messages start with the op's internal function name: not the user's business.
+    text = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", " ".join(str(err).split()))
+    reason = getattr(err, "strerror", None) or text[:300] or type(err).__name__
     directory = os.path.dirname(os.path.abspath(path))
     while directory and not os.path.exists(directory):
         directory = os.path.dirname(directory)
@@ -50,7 +53,9 @@ def write_error(path: str, err: BaseException) -> WriteError:
         space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on that file system"
     except OSError:
         space = "free space unknown"
-    return WriteError(getattr(err, "errno", None), f"could not write {path}: {reason} ({space})")
+    error = WriteError(f"could not write {path}: {reason} ({space})")
+    error.errno = getattr(err, "errno", None)
+    return error
 
 
 # ------------------------------------------------------------------------------------ atomic writes

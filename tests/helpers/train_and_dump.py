@@ -8,11 +8,18 @@ its weights after every step), so tests can compare the weights each worker ends
 Horovod rank, for launchers (horovodrun, mpirun) that start every rank with the same arguments.
 `--freeze_bn` (first after WEIGHTS.npz) trains with BatchNorm frozen: no batch-size dependence left,
 so runs that split a batch differently (gradient accumulation) must compute the same update.
+
+Faults at exact points, for tests/test_reliability.py (each option right after WEIGHTS.npz, any order):
+  --stop_after_step=N         every worker ends the run at the end of the loop holding step N (checkpointed)
+  --sigterm_at_step=N:RANK    worker RANK sends itself SIGTERM after step N's callbacks (right before the
+                              checkpoint save of a checkpoint step: Python runs the handler at once)
+  --sigterm_in_eval=RANK      worker RANK sends itself SIGTERM twice when the first evaluation begins
 """
 
 import hashlib
 import json
 import os
+import signal
 import sys
 
 import keras
@@ -43,6 +50,37 @@ class DumpWeights(keras.callbacks.Callback):
             json.dump(self.digests, f)
 
 
+class Faults(keras.callbacks.Callback):
+    """The fault options above, as a callback on the worker of rank `rank`."""
+
+    def __init__(self, rank, stop_after_step=None, sigterm_at_step=None, sigterm_in_eval=None):
+        super().__init__()
+        self.rank, self.stop_after_step = rank, stop_after_step
+        self.sigterm_at_step, self.sigterm_in_eval = sigterm_at_step, sigterm_in_eval
+        self.evals = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(logs["global_step"])
+        if self.stop_after_step is not None and step >= self.stop_after_step:
+            self.model.stop_training = True
+        if self.sigterm_at_step and self.sigterm_at_step == (step, self.rank):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_test_begin(self, logs=None):
+        self.evals += 1
+        if self.evals == 1 and self.sigterm_in_eval == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # Slurm may signal a task twice
+
+
+def pop_fault_options(argv) -> dict:
+    options = {}
+    while len(argv) > 1 and argv[1].split("=")[0] in ("--stop_after_step", "--sigterm_at_step", "--sigterm_in_eval"):
+        name, _, value = argv.pop(1)[2:].partition("=")
+        options[name] = tuple(int(v) for v in value.split(":")) if ":" in value else int(value)
+    return options
+
+
 def build_model_with_frozen_bn(cfg, build_model=engine.build_model):
     model = build_model(cfg)
     for layer in model.layers:
@@ -52,13 +90,15 @@ def build_model_with_frozen_bn(cfg, build_model=engine.build_model):
 
 
 def main(cfg, workdir):
-    train.main(cfg, workdir, extra_callbacks=[DumpWeights(OUTPUT)])  # SIGTERM: exit code 75, as the CLI
+    faults = [Faults(int(RANK), **FAULTS)] if FAULTS else []
+    train.main(cfg, workdir, extra_callbacks=[DumpWeights(OUTPUT), *faults])  # SIGTERM: exit code 75, as the CLI
 
 
 if __name__ == "__main__":
     TASK = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)  # MWMS via tfscale.launch
     RANK = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", str(TASK)))
     OUTPUT = sys.argv.pop(1).replace("{rank}", RANK)
+    FAULTS = pop_fault_options(sys.argv)
     if sys.argv[1] == "--freeze_bn":
         sys.argv.pop(1)
         engine.build_model = build_model_with_frozen_bn

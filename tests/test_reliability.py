@@ -1,0 +1,338 @@
+"""Faults a long cluster job meets, through real training processes: what happens, what is printed, what is kept.
+
+Each test drives `tfscale.launch` (2 workers on 127.0.0.1 unless the row is about another count)
+with tests/helpers/train_and_dump.py, which is `tfscale.train` plus fault options (stop, SIGTERM at
+an exact point). The matrix these rows belong to is docs/reliability.md; start-up faults are in
+tests/test_startup_faults.py, staging faults in tests/test_stage.py.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO, load_config, quiet_env, read_jsonl
+
+from tfscale import schedules, workdir
+
+DRIVER = os.path.join(REPO, "tests", "helpers", "train_and_dump.py")
+# The smoke recipe: 20 steps an epoch of global batch 32, eval every 30 steps, checkpoint every 20.
+SMOKE = ["--config=configs/smoke.py", "--config.train.log_every_steps=10"]
+
+pytestmark = pytest.mark.slow
+
+
+def launch_command(tmp_path, workdir_, num_workers, *args, backend="mwms", faults=()):
+    weights = os.path.join(tmp_path, "w{rank}.npz")  # the driver's own file per worker
+    return [sys.executable, "-m", "tfscale.launch", f"--num_workers={num_workers}", "--threads_per_worker=1",
+            f"--backend={backend}", "--", DRIVER, weights, *faults, *SMOKE, f"--workdir={workdir_}",
+            f"--config.distribute.backend={backend}", *args]
+
+
+def launch(tmp_path, workdir_, num_workers, *args, backend="mwms", faults=(), timeout_s=300):
+    """Runs the launch to its end; CompletedProcess with stdout and stderr in `.stdout`."""
+    return subprocess.run(launch_command(tmp_path, workdir_, num_workers, *args, backend=backend, faults=faults),
+                          cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout_s)
+
+
+def rows(workdir_, kind="loss"):
+    path = os.path.join(workdir_, "metrics.jsonl")
+    return [r for r in read_jsonl(path) if kind in r] if os.path.exists(path) else []
+
+
+def steps_of(workdir_, kind="loss"):
+    return [r["step"] for r in rows(workdir_, kind)]
+
+
+def summary(workdir_):
+    with open(os.path.join(workdir_, "summary.json")) as f:
+        return json.load(f)
+
+
+def saved_steps(output):
+    return [int(line.split("checkpoint saved at step ")[1].split(";")[0]) for line in output.splitlines()
+            if "checkpoint saved at step" in line]
+
+
+def latest_checkpoint_step(workdir_):
+    path = os.path.join(workdir_, "checkpoints", "checkpoint")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return int(f.readline().split('"ckpt-')[1].split('"')[0])
+
+
+def data_file(workdir_, step):
+    return os.path.join(workdir_, "checkpoints", f"ckpt-{step}.data-00000-of-00001")
+
+
+def truncate_to_half(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def wait_for(condition, proc, what, timeout_s=180):
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"process ended (code {proc.returncode}) before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def trained_40(tmp_path_factory):
+    """A 2-worker run stopped after 40 steps (checkpoints 20 and 40, eval at 30): copy it, don't change it."""
+    root = tmp_path_factory.mktemp("trained_40")
+    result = launch(root, root / "run", 2, faults=["--stop_after_step=40"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert latest_checkpoint_step(root / "run") == 40
+    return root / "run"
+
+
+def copy_of(trained, tmp_path):
+    destination = tmp_path / "run"
+    shutil.copytree(trained, destination)
+    return destination
+
+
+# --- 1. a checkpoint that cannot be read ----------------------------------------------------------
+
+
+def test_unreadable_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(trained_40, tmp_path):
+    run = copy_of(trained_40, tmp_path)
+    truncate_to_half(data_file(run, 40))  # as a node crash can leave a file on a parallel file system
+    result = launch(tmp_path, run, 2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"skipping checkpoint {run}/checkpoints/ckpt-40: it cannot be restored" in result.stdout
+    assert f"resumed from {run}/checkpoints/ckpt-20 at step 20" in result.stdout
+    assert steps_of(run) == [10, 20, 30, 40, 50, 60]  # 30 and 40 logged again, once
+    assert steps_of(run, "eval_top1") == [30, 60] and summary(run)["steps"] == 60
+
+
+def test_no_usable_checkpoint_stops_naming_each_and_deletes_nothing(trained_40, tmp_path):
+    run = copy_of(trained_40, tmp_path)
+    for step in (20, 40):
+        truncate_to_half(data_file(run, step))
+    before = {name: os.path.getsize(run / "checkpoints" / name) for name in os.listdir(run / "checkpoints")}
+    result = launch(tmp_path, run, 2)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert (f"no usable checkpoint in {run}/checkpoints: {run}/checkpoints/ckpt-40 (" in result.stdout
+            and f"; {run}/checkpoints/ckpt-20 (" in result.stdout and "Nothing was deleted" in result.stdout)
+    assert "Traceback" not in result.stdout
+    assert {name: os.path.getsize(run / "checkpoints" / name) for name in os.listdir(run / "checkpoints")} == before
+
+
+def test_files_a_killed_save_leaves_are_ignored(trained_40, tmp_path):
+    """What kill -9 during a save leaves (TensorFlow lists a checkpoint only once its files are whole)."""
+    run = copy_of(trained_40, tmp_path)
+    os.makedirs(run / "checkpoints" / "ckpt-60_temp")
+    (run / "checkpoints" / "ckpt-60_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"\0" * 1000)
+    (run / "checkpoints" / "ckpt-60.data-00000-of-00001").write_bytes(b"\0" * 1000)  # merged part-way, no index
+    result = launch(tmp_path, run, 2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"resumed from {run}/checkpoints/ckpt-40 at step 40" in result.stdout
+    assert summary(run)["steps"] == 60 and latest_checkpoint_step(run) == 60
+
+
+# --- 2. disk full ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs to fill (root only: mount)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], capture_output=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {result.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def fill(directory, leave_bytes=0):
+    """Fills the file system of `directory` (another job's output), leaving about `leave_bytes`."""
+    path = os.path.join(directory, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for chunk in (b"\0" * (1 << 16), b"\0" * (1 << 12)):
+            try:
+                while os.write(fd, chunk) == len(chunk):
+                    pass
+            except OSError:  # ENOSPC
+                pass
+        os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave_bytes))
+    finally:
+        os.close(fd)
+    return path
+
+
+def start(tmp_path, run, num_workers, *args, faults=()):
+    log = open(tmp_path / f"launch-{time.time()}.log", "w+")
+    proc = subprocess.Popen(launch_command(tmp_path, run, num_workers, *args, faults=faults), cwd=REPO,
+                            env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def finish(proc, log, timeout_s=300):
+    code = proc.wait(timeout=timeout_s)
+    log.seek(0)
+    return code, log.read()
+
+
+def test_full_disk_names_the_path_and_keeps_every_earlier_file(small_disk, tmp_path):
+    run = small_disk / "run"
+    # 1. The checkpoint at step 40 finds the disk full (no log row before it: the save is the first write).
+    proc, log = start(tmp_path, run, 2, "--config.train.log_every_steps=1000", "--config.train.eval_every_epochs=10")
+    wait_for(lambda: latest_checkpoint_step(run) == 20, proc, "the checkpoint of step 20")
+    filler = fill(small_disk, leave_bytes=64 << 10)
+    code, output = finish(proc, log)
+    assert code == 74, output[-3000:]
+    assert f"could not write {run}/checkpoints/ckpt-40: " in output and "MiB free of 8.0 MiB" in output
+    assert latest_checkpoint_step(run) == 20 and not [n for n in os.listdir(run / "checkpoints") if "ckpt-40" in n]
+
+    # 2. Resumed with space for its start, a metrics row finds the disk full: the file keeps whole lines.
+    os.remove(filler)
+    proc, log = start(tmp_path, run, 1, "--config.train.log_every_steps=5", "--config.train.eval_every_epochs=10")
+    wait_for(lambda: steps_of(run)[-1:] == [25], proc, "the resumed run's first row")
+    fill(small_disk)
+    code, output = finish(proc, log)
+    assert code == 74, output[-3000:]
+    # A row's bytes may still fit in the last page of metrics.jsonl: then TensorBoard's or the next
+    # checkpoint's write is the one that fails.
+    assert re.search(rf"could not write {run}/(metrics.jsonl|tensorboard|checkpoints/ckpt-40): .*No space left on "
+                     r"device.* \(0\.\d MiB free of 8\.0 MiB on that file system\); exit code 74", output)
+    with open(run / "metrics.jsonl") as f:
+        text = f.read()
+    assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
+
+    # 3. Space again: the run finishes from its last checkpoint, no step logged twice.
+    os.remove(run.parent / "filler")
+    result = launch(tmp_path, run, 1, "--config.train.log_every_steps=5", "--config.train.eval_every_epochs=10")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert steps_of(run) == sorted(set(steps_of(run))) and steps_of(run)[-1] == 60
+    assert summary(run)["steps"] == 60
+
+
+# --- 3. config changed between runs ---------------------------------------------------------------
+
+
+def test_changed_recipe_is_refused_on_every_worker_and_safe_changes_are_recorded(trained_40, tmp_path):
+    run = copy_of(trained_40, tmp_path)
+    with open(run / "config.json") as f:
+        config_before = f.read()
+    refused = launch(tmp_path, run, 2, "--config.optim.lr_per_256=1.6", "--config.data.global_batch_size=64")
+    assert refused.returncode == 1, refused.stdout[-3000:]
+    assert ("config.data.global_batch_size: 32 -> 64; config.optim.lr: 0.1 -> 0.4; config.optim.lr_per_256: 0.8 -> 1.6"
+            in refused.stdout)
+    assert "[rank 1]" in refused.stdout and "the chief (rank 0) refused the workdir (exit code 1)" in refused.stdout
+    assert open(run / "config.json").read() == config_before and latest_checkpoint_step(run) == 40
+
+    safe = launch(tmp_path, run, 2, "--config.train.epochs=4", "--config.checkpoint.max_to_keep=5")
+    assert safe.returncode == 0, safe.stdout[-3000:]
+    [change] = read_jsonl(run / workdir.HISTORY_NAME)
+    assert change["changes"] == {"checkpoint.max_to_keep": {"from": 3, "to": 5}, "train.epochs": {"from": 3.0, "to": 4.0}}
+    assert summary(run)["steps"] == 80
+
+    forced = launch(tmp_path, run, 2, "--config.train.epochs=5", "--config.checkpoint.max_to_keep=5",
+                    "--config.optim.weight_decay=0.0", "--config.resume.allow_config_changes=True")
+    assert forced.returncode == 0, forced.stdout[-3000:]
+    assert read_jsonl(run / workdir.HISTORY_NAME)[-1]["forced"] is True and summary(run)["steps"] == 100
+
+
+# --- 4 + 5. two jobs in one workdir; a killed job's lock and replayed rows --------------------------
+
+
+def test_second_job_is_refused_and_a_killed_jobs_lock_and_replayed_rows_are_cleared(tmp_path):
+    run = tmp_path / "run"
+    long_run = ["--config.train.epochs=500", "--config.checkpoint.every_epochs=2"]  # checkpoints every 40 steps
+    first, log = start(tmp_path, run, 2, *long_run)
+    wait_for(lambda: latest_checkpoint_step(run) >= 40, first, "the first checkpoint")
+    holder = json.load(open(run / workdir.LOCK_NAME))
+    config_before = open(run / "config.json").read()
+
+    started = time.time()
+    second = launch(tmp_path, run, 1, *long_run)
+    assert second.returncode == 73, second.stdout[-3000:]
+    assert f"in use by pid {holder['pid']} on host {socket.gethostname()}" in second.stdout
+    print(f"second job refused after {time.time() - started:.1f} s")
+    assert first.poll() is None and open(run / "config.json").read() == config_before  # the first job unharmed
+
+    # kill -9 the chief between two checkpoints, with rows logged after the last one
+    wait_for(lambda: steps_of(run) and steps_of(run)[-1] % 40 == 10, first, "a row after a checkpoint")
+    os.kill(holder["pid"], signal.SIGKILL)
+    finish(first, log)
+    last_checkpoint, last_row = latest_checkpoint_step(run), steps_of(run)[-1]
+    assert last_row > last_checkpoint
+    epochs = last_checkpoint // 20 + 1  # one more epoch than the checkpoint holds
+
+    third = launch(tmp_path, run, 2, f"--config.train.epochs={epochs}", "--config.checkpoint.every_epochs=2")
+    assert third.returncode == 0, third.stdout[-3000:]
+    assert f"taking over the workdir lock of pid {holder['pid']} on host {socket.gethostname()}" in third.stdout
+    assert f"its process {holder['pid']} on this host no longer exists" in third.stdout
+    assert f"metrics.jsonl: resuming at step {last_checkpoint}, dropped" in third.stdout
+    logged = rows(run)
+    assert [r["step"] for r in logged] == list(range(10, epochs * 20 + 1, 10))  # each step once
+    assert all(a["time"] <= b["time"] for a, b in zip(logged, logged[1:]))  # wall clock on every row
+    assert not os.path.exists(run / workdir.LOCK_NAME)  # released at the end
+
+
+# --- 9. SIGTERM during a checkpoint save, during eval, twice ----------------------------------------
+
+
+def test_sigterm_at_a_save_and_twice_during_eval_gives_one_checkpoint_each_and_exit_75(tmp_path):
+    run = tmp_path / "run"
+    # rank 1 is signalled right before the save of step 20: the save completes, the next loop stops at 30
+    first = launch(tmp_path, run, 2, faults=["--sigterm_at_step=20:1"])
+    assert first.returncode == 75, first.stdout[-3000:]
+    assert saved_steps(first.stdout) == [30, 30] and latest_checkpoint_step(run) == 30
+    assert steps_of(run, "eval_top1") == []  # stopped at 30 before its eval
+
+    # the rerun first runs the eval of step 30 that was missed; rank 0 gets SIGTERM twice during it
+    second = launch(tmp_path, run, 2, faults=["--sigterm_in_eval=0"])
+    assert second.returncode == 75, second.stdout[-3000:]
+    assert saved_steps(second.stdout) == [40, 40] and latest_checkpoint_step(run) == 40
+    assert second.stdout.count("SIGTERM: saving a checkpoint after this step") == 1  # the repeat is harmless
+
+    third = launch(tmp_path, run, 2)
+    assert third.returncode == 0, third.stdout[-3000:]
+    assert steps_of(run) == [10, 20, 30, 40, 50, 60] and steps_of(run, "eval_top1") == [30, 60]
+
+
+# --- 11. requeued on fewer or more workers --------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_resume_on_fewer_then_more_workers_continues_step_lr_and_data(tmp_path, backend):
+    if backend == "horovod":
+        pytest.importorskip("horovod.tensorflow", reason="Horovod is not built (make horovod)")
+    run = tmp_path / "run"
+    for num_workers, stop in ((2, 20), (1, 40), (2, None)):
+        result = launch(tmp_path, run, num_workers, backend=backend,
+                        faults=[f"--stop_after_step={stop}"] if stop else [])
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert f"replicas={num_workers}" in result.stdout
+        if num_workers != 2 or stop is None:
+            assert f"resumed from {run}/checkpoints/ckpt-{40 if stop is None else 20} at step" in result.stdout
+    cfg = load_config("smoke")
+    lr = schedules.make_schedule(cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=20, total_steps=60, num_replicas=2)
+    logged = rows(run)
+    assert [r["step"] for r in logged] == [10, 20, 30, 40, 50, 60]
+    for row in logged:  # the LR of the step just taken: the schedule continued across worker counts
+        assert row["lr"] == pytest.approx(lr(row["step"] - 1), rel=1e-6)
+    final = summary(run)
+    assert final["steps"] == 60 and final["num_workers"] == 2 and final["global_batch_size"] == 32
+    with np.load(tmp_path / "w0.npz") as w0, np.load(tmp_path / "w1.npz") as w1:
+        for key in w0.files:
+            np.testing.assert_array_equal(w0[key], w1[key])  # the workers agree after the resume
+
+    refused = launch(tmp_path, run, 3, backend=backend, faults=["--stop_after_step=80"], timeout_s=180)
+    assert refused.returncode == 1
+    assert "config.data.global_batch_size=32 cannot be split evenly over 3 replicas" in refused.stdout

@@ -1,0 +1,187 @@
+"""The workdir's guards without TensorFlow: the lock, the resume-config check, metrics trimming, whole-line appends.
+
+The same behaviours through real training processes are in tests/test_reliability.py.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import ml_collections
+import pytest
+from conftest import read_jsonl
+
+from tfscale import io, workdir
+from tfscale.config import ConfigError, base_config
+
+
+def resume_cfg(allow=False, stale_after_s=120.0):
+    return ml_collections.ConfigDict({"allow_config_changes": allow, "lock_stale_after_s": stale_after_s})
+
+
+def write_lock(path, **holder):
+    with open(os.path.join(path, workdir.LOCK_NAME), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+                   "slurm_job_id": "", "slurm_restart_count": "0", **holder}, f)
+
+
+@pytest.fixture
+def live_pid():
+    """A process of this host that stays alive during the test."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_second_holder_is_refused_naming_host_and_pid(tmp_path, live_pid):
+    write_lock(tmp_path, pid=live_pid, slurm_job_id="4242")
+    with pytest.raises(workdir.WorkdirBusy, match=rf"in use by pid {live_pid} on host {socket.gethostname()}, "
+                                                  r"Slurm job 4242, since \d{4}-"):
+        workdir.acquire(str(tmp_path), stale_after_s=120)
+    assert json.load(open(tmp_path / workdir.LOCK_NAME))["pid"] == live_pid  # the holder's lock untouched
+
+
+def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_lock(tmp_path, pid=dead.pid)
+    lock = workdir.acquire(str(tmp_path), stale_after_s=120)
+    assert json.load(open(tmp_path / workdir.LOCK_NAME))["pid"] == os.getpid()
+    lock.release()
+    assert not os.path.exists(tmp_path / workdir.LOCK_NAME)
+
+
+def test_other_hosts_lock_is_taken_over_only_when_stale(tmp_path):
+    write_lock(tmp_path, host="node-that-died", pid=1)
+    with pytest.raises(workdir.WorkdirBusy, match="node-that-died"):
+        workdir.acquire(str(tmp_path), stale_after_s=60)
+    old = time.time() - 61
+    os.utime(tmp_path / workdir.LOCK_NAME, (old, old))
+    workdir.acquire(str(tmp_path), stale_after_s=60).release()
+
+
+def test_requeued_slurm_job_takes_over_its_earlier_runs_lock(tmp_path):
+    write_lock(tmp_path, host="other-node", pid=1, slurm_job_id="77", slurm_restart_count="0")
+    env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}
+    workdir.acquire(str(tmp_path), stale_after_s=600, env=env).release()
+    write_lock(tmp_path, host="other-node", pid=1, slurm_job_id="78", slurm_restart_count="0")
+    with pytest.raises(workdir.WorkdirBusy, match="Slurm job 78"):  # another job: still refused
+        workdir.acquire(str(tmp_path), stale_after_s=600, env=env)
+
+
+def test_live_lock_is_kept_fresh(tmp_path):
+    lock = workdir.acquire(str(tmp_path), stale_after_s=120)
+    path = tmp_path / workdir.LOCK_NAME
+    os.utime(path, (0, 0))
+    lock.keep_fresh(every_s=0.05)
+    time.sleep(0.5)
+    assert time.time() - os.stat(path).st_mtime < 5
+    lock.release()
+
+
+def test_release_leaves_a_lock_that_another_job_took(tmp_path):
+    lock = workdir.acquire(str(tmp_path), stale_after_s=120)
+    write_lock(tmp_path, host="elsewhere", pid=5)
+    lock.release()
+    assert json.load(open(tmp_path / workdir.LOCK_NAME))["host"] == "elsewhere"
+
+
+def smoke_dict(**changes):
+    cfg = base_config()
+    for key, value in changes.items():
+        section, _, name = key.rpartition(".")
+        (cfg[section] if section else cfg)[name] = value
+    return cfg.to_dict()
+
+
+def resumable(tmp_path, cfg_dict):
+    os.makedirs(tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / "checkpoint").write_text('model_checkpoint_path: "ckpt-20"\n')
+    io.write_json(str(tmp_path / workdir.CONFIG_NAME), cfg_dict)
+
+
+def test_result_changing_keys_are_refused_listing_each(tmp_path):
+    resumable(tmp_path, smoke_dict())
+    changed = smoke_dict(**{"model.name": "resnet18", "optim.lr_per_256": 0.2, "train.log_every_steps": 7})
+    with pytest.raises(ConfigError) as refused:
+        workdir.claim(str(tmp_path), changed, resume_cfg())
+    message = str(refused.value)
+    assert "config.model.name: 'resnet50' -> 'resnet18'" in message
+    assert "config.optim.lr_per_256: 0.1 -> 0.2" in message and "config.optim.lr: 0.1 -> 0.2" in message  # linked
+    assert "log_every_steps" not in message  # safe: not listed among the refused
+    assert json.load(open(tmp_path / workdir.CONFIG_NAME)) == json.loads(json.dumps(smoke_dict()))  # nothing written
+    assert not os.path.exists(tmp_path / workdir.LOCK_NAME) and not os.path.exists(tmp_path / workdir.HISTORY_NAME)
+
+
+def test_safe_changes_are_recorded_and_forced_ones_marked(tmp_path):
+    resumable(tmp_path, smoke_dict())
+    safe = smoke_dict(**{"train.epochs": 120.0, "data.stage_dir": "/tmp/local", "checkpoint.max_to_keep": 5})
+    workdir.claim(str(tmp_path), safe, resume_cfg()).release()
+    forced = smoke_dict(**{"train.epochs": 120.0, "data.stage_dir": "/tmp/local", "checkpoint.max_to_keep": 5,
+                           "seed": 3, "resume.allow_config_changes": True})
+    workdir.claim(str(tmp_path), forced, resume_cfg(allow=True)).release()
+    first, second = read_jsonl(tmp_path / workdir.HISTORY_NAME)
+    assert first["changes"] == {"checkpoint.max_to_keep": {"from": 3, "to": 5}, "data.stage_dir": {"from": "", "to": "/tmp/local"},
+                                "train.epochs": {"from": 90.0, "to": 120.0}} and not first["forced"]
+    assert second["changes"] == {"seed": {"from": 0, "to": 3}, "resume.allow_config_changes": {"from": False, "to": True}}
+    assert second["forced"] and "time" in second
+    assert json.load(open(tmp_path / workdir.CONFIG_NAME))["seed"] == 3
+
+
+def test_fresh_run_may_change_anything(tmp_path):
+    io.write_json(str(tmp_path / workdir.CONFIG_NAME), smoke_dict())  # a run that never checkpointed
+    workdir.claim(str(tmp_path), smoke_dict(**{"model.name": "resnet18"}), resume_cfg()).release()
+    assert not os.path.exists(tmp_path / workdir.HISTORY_NAME)
+
+
+def test_unreadable_config_json_of_a_resumable_run_is_named(tmp_path):
+    resumable(tmp_path, smoke_dict())
+    (tmp_path / workdir.CONFIG_NAME).write_text("{half")
+    with pytest.raises(ConfigError, match=r"config\.json cannot be read"):
+        workdir.claim(str(tmp_path), smoke_dict(), resume_cfg())
+
+
+def test_metrics_are_trimmed_to_the_resume_step_and_a_torn_line_dropped(tmp_path):
+    path = tmp_path / workdir.METRICS_NAME
+    rows = [{"step": 10, "loss": 2.0}, {"step": 20, "loss": 1.5}, {"step": 20, "eval_top1": 0.3}, {"step": 30, "loss": 1.2}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 40, "lo')
+    kept = workdir.trim_metrics(str(tmp_path), start_step=20)
+    assert kept == rows[:3] and read_jsonl(path) == rows[:3]
+    assert workdir.trim_metrics(str(tmp_path), start_step=20) == rows[:3]  # idempotent
+    assert workdir.trim_metrics(str(tmp_path / "nothing-here"), start_step=5) == []
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 64 KiB tmpfs (root only: mount)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)], capture_output=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {result.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_append_on_a_full_disk_keeps_whole_lines_and_names_the_path(tiny_disk):
+    path = tiny_disk / "metrics.jsonl"
+    line = json.dumps({"step": 1, "loss": 1.0, "pad": "x" * 900})
+    with pytest.raises(io.WriteError) as full:
+        for _ in range(200):  # 180 KiB into 64 KiB
+            io.append_line(str(path), line)
+    assert f"could not write {path}: No space left on device" in str(full.value)
+    assert "MiB free of 0.1 MiB" in str(full.value)
+    text = path.read_text()
+    assert text.endswith("\n") and all(json.loads(row) for row in text.splitlines())
+
+
+def test_atomic_write_on_a_full_disk_keeps_the_old_file(tiny_disk):
+    path = str(tiny_disk / "summary.json")
+    io.write_json(path, {"steps": 10})
+    with pytest.raises(io.WriteError, match=f"could not write {path}: No space left on device"):
+        io.write_json(path, {"pad": "x" * 200_000})
+    assert json.load(open(path)) == {"steps": 10} and os.listdir(tiny_disk) == ["summary.json"]
