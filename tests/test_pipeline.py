@@ -23,7 +23,7 @@ from PIL import Image  # noqa: E402
 from conftest import classic_example  # noqa: E402
 
 from tfscale.config import base_config  # noqa: E402
-from tfscale.data import assignment, convert, pipeline, stage  # noqa: E402
+from tfscale.data import assignment, convert, faults, pipeline, stage  # noqa: E402
 
 SIZE_PX = 32  # every image of the converted trees is SIZE_PX x SIZE_PX
 CLASSES = ("cherry", "apple", "banana")  # written unsorted on purpose: labels follow sorted names
@@ -391,14 +391,14 @@ def test_truncated_shard_without_manifest_is_an_error(truncated_classic):
 
 def test_truncated_shard_is_named_when_found(truncated_classic, classic_dir):
     """tf.data reports only a byte offset; tfscale's scan names the shard (training does this on error)."""
-    bad = pipeline.truncated_shards(pipeline.list_shards(truncated_classic, "validation"))
+    bad = faults.truncated_shards(pipeline.list_shards(truncated_classic, "validation"))
     assert len(bad) == 1 and "validation-00000-of-00001" in bad[0] and "runs past the end" in bad[0]
-    assert pipeline.truncated_shards(pipeline.list_shards(classic_dir[0], "validation")) == []
+    assert faults.truncated_shards(pipeline.list_shards(classic_dir[0], "validation")) == []
     cfg = classic_config(truncated_classic)
     with pytest.raises(tf.errors.DataLossError) as err:
         eval_batches(cfg, global_batch_size=7, num_steps=1)
-    explained = pipeline.explain_data_loss(err.value, cfg, truncated_classic, "validation")
-    assert isinstance(explained, ValueError)
+    explained = pipeline.explain_read_error(err.value, cfg, truncated_classic, "validation", rank=0, num_workers=1)
+    assert isinstance(explained, faults.CorruptDataError)
     assert "validation-00000-of-00001" in str(explained) and "truncated record" in str(explained)
 
 

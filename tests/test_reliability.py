@@ -6,6 +6,7 @@ an exact point). The matrix these rows belong to is docs/reliability.md; start-u
 tests/test_startup_faults.py, staging faults in tests/test_stage.py.
 """
 
+import io
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, load_config, quiet_env, read_jsonl
+from conftest import REPO, classic_example, load_config, quiet_env, read_jsonl
 
 from tfscale import schedules, workdir
 
@@ -336,3 +337,94 @@ def test_resume_on_fewer_then_more_workers_continues_step_lr_and_data(tmp_path, 
     refused = launch(tmp_path, run, 3, backend=backend, faults=["--stop_after_step=80"], timeout_s=180)
     assert refused.returncode == 1
     assert "config.data.global_batch_size=32 cannot be split evenly over 3 replicas" in refused.stdout
+
+
+# --- 6. corrupt image inside a valid shard -------------------------------------------------------
+
+
+def jpeg_as(image, mode, fmt):
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).convert(mode).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def write_shards(photo_dir, out_dir, split, num_shards, bad=None):
+    """Classic (build_imagenet_data.py-style, no manifest) shards of a photo tree, examples round-robin;
+    `bad`: {(shard, record index in it): encoded bytes} put in place of those records' images."""
+    import tensorflow as tf
+
+    synsets = sorted(os.listdir(photo_dir))
+    examples = [(label, synset, name) for label, synset in enumerate(synsets, start=1)
+                for name in sorted(os.listdir(os.path.join(photo_dir, synset)))]
+    shards = [[] for _ in range(num_shards)]
+    for i, (label, synset, name) in enumerate(examples):
+        image = tf.io.decode_image(open(os.path.join(photo_dir, synset, name), "rb").read(), channels=3).numpy()
+        shard = shards[i % num_shards]
+        # Formats other converters leave under .JPEG names: CMYK JPEGs, PNGs (valid: they must train).
+        encoded = jpeg_as(image, "CMYK", "JPEG") if i % 7 == 3 else jpeg_as(image, "RGB", "PNG" if i % 7 == 5 else "JPEG")
+        encoded = (bad or {}).get((i % num_shards, len(shard)), encoded)
+        shard.append(classic_example(encoded, image.shape[0], image.shape[1], label, synset, name, []))
+    for index, records in enumerate(shards):
+        with tf.io.TFRecordWriter(os.path.join(out_dir, f"{split}-{index:05d}-of-{num_shards:05d}")) as writer:
+            for record in records:
+                writer.write(record)
+    return len(examples)
+
+
+@pytest.fixture(scope="module")
+def shards_with_bad_images(tmp_path_factory):
+    """Real-photo shards whose framing is whole: train shard 1 holds a JPEG cut short (record 2) and
+    bytes that are no image (record 4); a second directory's validation shard holds a bad record too."""
+    from test_shard_layouts import make_photo_tree
+
+    root = tmp_path_factory.mktemp("bad_images")
+    good = open(os.path.join(make_photo_tree(root / "train", 8, seed=4), sorted(os.listdir(root / "train"))[0],
+                             sorted(os.listdir(os.path.join(root / "train", sorted(os.listdir(root / "train"))[0])))[0]),
+                "rb").read()
+    bad = {(1, 2): good[: len(good) // 2], (1, 4): b"this is not an image" * 20}
+    train_dir, eval_bad_dir = root / "shards", root / "shards_bad_eval"
+    os.makedirs(train_dir), os.makedirs(eval_bad_dir)
+    num_train = write_shards(root / "train", train_dir, "train", 2, bad=bad)
+    num_eval = write_shards(make_photo_tree(root / "val", 5, seed=5), train_dir, "validation", 1)
+    write_shards(root / "train", eval_bad_dir, "train", 2)
+    write_shards(root / "val", eval_bad_dir, "validation", 1, bad={(0, 6): good[:300]})
+    return {"train_bad": train_dir, "eval_bad": eval_bad_dir, "num_train": num_train, "num_eval": num_eval}
+
+
+def on_shards(data, data_dir, *extra):
+    return [f"--config.data.dataset=tfrecord", f"--config.data.data_dir={data_dir}", "--config.data.label_offset=1",
+            f"--config.data.num_train_examples={data['num_train']}", f"--config.data.num_eval_examples={data['num_eval']}",
+            "--config.data.num_classes=3", "--config.data.global_batch_size=8", "--config.data.shuffle_buffer=4",
+            "--config.train.epochs=3", "--config.train.log_every_steps=3", "--config.train.eval_every_epochs=3",
+            *extra]
+
+
+def test_corrupt_train_image_stops_naming_shard_and_record_or_is_skipped_and_counted(shards_with_bad_images, tmp_path):
+    data = shards_with_bad_images
+    shard = data["train_bad"] / "train-00001-of-00002"
+    stopped = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["train_bad"]))
+    assert stopped.returncode == 65, stopped.stdout[-3000:]
+    assert f"corrupt image: {shard}: record 2 (" in stopped.stdout and f"; {shard}: record 4 (" in stopped.stdout
+    assert "--config.data.skip_corrupt_images=True" in stopped.stdout
+    assert "Traceback" not in "".join(line for line in stopped.stdout.splitlines() if line.startswith("[rank 1]"))
+
+    skipped = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["train_bad"]),
+                     "--config.data.skip_corrupt_images=True")
+    assert skipped.returncode == 0, skipped.stdout[-3000:]
+    final = summary(tmp_path / "run")
+    # Worker 1 reads shard 1 once per pass, 3 passes at least: each bad record counted every time (records
+    # prepared ahead of the last step count too, several passes of so small a shard).
+    assert final["steps"] == 3 * data["num_train"] // 8 and final["corrupt_images_skipped"] >= 2 * 3
+    counts = [r["corrupt_images_skipped"] for r in rows(tmp_path / "run")]
+    assert counts == sorted(counts) and counts[0] >= 2 and "corrupt image(s) skipped so far" in skipped.stdout
+    assert final["eval_top1"] >= 0  # eval of every validation image (CMYK and PNG among them) ran
+
+
+def test_corrupt_eval_image_always_stops_naming_it(shards_with_bad_images, tmp_path):
+    data = shards_with_bad_images
+    result = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["eval_bad"]), "--config.data.skip_corrupt_images=True")
+    assert result.returncode == 65, result.stdout[-3000:]
+    assert f"corrupt image: {data['eval_bad']}/validation-00000-of-00001: record 6 (" in result.stdout
+    assert "Evaluation never skips an image" in result.stdout

@@ -63,8 +63,11 @@ class MetricsLogger(keras.callbacks.Callback):
     """
 
     def __init__(self, workdir: str, *, is_chief: bool, global_batch_size: int, steps_per_epoch: int,
-                 train_steps: int, log_every_steps: int):
+                 train_steps: int, log_every_steps: int, extra_fields: Callable[[], dict] | None = None):
+        """`extra_fields()`: more fields of each training row, called on every worker at each logged
+        step (it may be a collective)."""
         super().__init__()
+        self.extra_fields = extra_fields
         self.is_chief = is_chief
         self.global_batch_size = global_batch_size
         self.steps_per_epoch = steps_per_epoch
@@ -105,6 +108,7 @@ class MetricsLogger(keras.callbacks.Callback):
             "loss": float(logs["loss"]),
             "lr": float(self.model.optimizer.learning_rate.numpy()),
             "images_per_sec": round(steps * self.global_batch_size / elapsed_s, 2),
+            **(self.extra_fields() if self.extra_fields else {}),
         }
         if self.is_chief:
             logging.info(

@@ -106,6 +106,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.interleave_cycle = 16  # shards read in parallel, per worker
     c.data.deterministic = False  # True: reproducible order at some speed cost
     c.data.cache = False  # cache decoded-ready records in RAM (small datasets only)
+    c.data.skip_corrupt_images = False  # True: training drops records whose image does not decode and counts them; False: stop naming the record (eval always stops)
     c.data.private_threads = 0  # tf.data private thread pool size; 0: share TensorFlow's
     c.data.ram_budget_mb = 0  # tf.data autotune RAM budget; 0: TensorFlow's default
     c.data.assignment = "disjoint"  # disjoint | full | coarse | medium_coarse | fine_grained | overlap: which data each worker reads (docs/data.md)

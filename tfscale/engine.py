@@ -436,11 +436,13 @@ def evaluate(eval_step, eval_dataset, num_steps: int) -> dict:
 # --- data ---------------------------------------------------------------------------------------------
 
 
-def train_dataset(run: Run, start_step: int):
-    """The training input, distributed over the job, continuing the data order at `start_step`."""
+def train_dataset(run: Run, start_step: int, skipped_images: tf.Variable | None = None):
+    """The training input, distributed over the job, continuing the data order at `start_step`;
+    `skipped_images` counts this worker's undecodable records (data.skip_corrupt_images)."""
     cfg = run.cfg
     return run.cluster.distribute_dataset(
-        pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step, data_dir=run.data_dir)
+        pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step, data_dir=run.data_dir,
+                                skipped_images=skipped_images)
     )
 
 

@@ -14,6 +14,7 @@ from tfscale import logs
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
+import contextlib
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from tfscale import callbacks as tfs_callbacks
 from tfscale import checkpoints, ema, engine, init_from, io, local_sgd, schedules
 from tfscale import config as tfs_config
 from tfscale import workdir as workdirs
-from tfscale.data import assignment, pipeline
+from tfscale.data import assignment, faults, pipeline
 
 # Exit codes (sysexits.h) that a batch script can act on; docs/reliability.md lists them all.
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM, checkpoint saved: rerun the same command (requeue) to resume
@@ -39,6 +40,7 @@ EXIT_WORKDIR_BUSY = 73  # EX_CANTCREAT: another live job holds the workdir
 EXIT_WRITE_FAILED = 74  # EX_IOERR: a checkpoint, metrics or summary write failed (disk full, quota)
 EXIT_CONFIG = 1  # the run's config cannot run (or would change a resumed run's result): fix it
 EXIT_CHECKPOINT = 1  # no usable checkpoint in a workdir that has some
+EXIT_CORRUPT_DATA = 65  # EX_DATAERR: a truncated shard or an image that does not decode (named)
 
 
 class Preempted(Exception):
@@ -97,7 +99,8 @@ def _claim_workdir(cluster, workdir: str, cfg: ml_collections.ConfigDict) -> lis
 def exit_code(err: BaseException) -> int:
     """The process exit code for an error that ends a run (1 for anything unforeseen)."""
     codes = ((Preempted, EXIT_PREEMPTED), (workdirs.WorkdirBusy, EXIT_WORKDIR_BUSY), (io.WriteError, EXIT_WRITE_FAILED),
-             (tfs_config.ConfigError, EXIT_CONFIG), (checkpoints.CheckpointError, EXIT_CHECKPOINT))
+             (tfs_config.ConfigError, EXIT_CONFIG), (checkpoints.CheckpointError, EXIT_CHECKPOINT),
+             (faults.CorruptDataError, EXIT_CORRUPT_DATA))
     if isinstance(err, ChiefRefused):
         return err.exit_code
     return next((code for kind, code in codes if isinstance(err, kind)), 1)
@@ -125,9 +128,11 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
         with open(summary_path) as f:
             return json.load(f)
 
+    skipped_images, count_skipped = _skipped_images_counter(run)
     logger = tfs_callbacks.MetricsLogger(
         workdir, is_chief=run.cluster.is_chief, global_batch_size=cfg.data.global_batch_size,
         steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps, log_every_steps=cfg.train.log_every_steps,
+        extra_fields=count_skipped,
     )
     learning_rate = _learning_rate_callback(run)
     callback_list = _callback_list(run, workdir, model, learning_rate, logger, extra_callbacks)
@@ -136,7 +141,8 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     start_time = time.time()
     if _eval_missing_at(run, plan, start_step, logged):  # stopped at an eval step before its eval ran
         run_eval(start_step)
-    eval_results = _train_loop(run, model, loops, ckpts, callback_list, run_eval, stop_requested, start_step)
+    eval_results = _train_loop(run, model, loops, ckpts, callback_list, run_eval, stop_requested, start_step,
+                               skipped_images)
     final_step = int(ckpts.step.numpy())
     if not plan.in_agreement(final_step):  # stopped by a callback between world syncs
         loops.world_sync()
@@ -147,12 +153,32 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
         eval_results = run_eval(final_step)
     summary = _summary(run, final_step, time.time() - start_time, logger, eval_results)
     summary.update(loops.report(final_step))
+    if count_skipped is not None:
+        summary.update(count_skipped())
     if assigned:
         summary["assignment"] = assigned
     if run.cluster.is_chief:
         io.write_json(summary_path, summary, sort_keys=True)
         logging.info("done: %s; workdir %s", json.dumps(summary), os.path.abspath(workdir))
     return summary
+
+
+def _skipped_images_counter(run: engine.Run):
+    """With data.skip_corrupt_images: this worker's counter of skipped records, and a function giving
+    the job's total as a row field (a collective: every worker calls it at the same log steps)."""
+    if not run.cfg.data.skip_corrupt_images:
+        return None, None
+    counter = tf.Variable(0, dtype=tf.int64, trainable=False)  # on this host's CPU, where tf.data runs
+    reported = [0]
+
+    def job_total() -> dict:
+        total = int(sum(row[0] for row in run.cluster.gather_per_worker([float(counter.numpy())])))
+        if total > reported[0] and run.cluster.is_chief:
+            logging.warning("%d corrupt image(s) skipped so far (data.skip_corrupt_images=True)", total)
+        reported[0] = total
+        return {"corrupt_images_skipped": total}
+
+    return counter, job_total
 
 
 def _eval_missing_at(run: engine.Run, plan: local_sgd.SyncPlan, start_step: int, logged: list[dict]) -> bool:
@@ -199,10 +225,8 @@ def _evaluator(run: engine.Run, model, callback_list):
     use_ema = ema.is_on(model.optimizer)  # engine.build_model_and_optimizer sets model.optimizer
 
     def evaluate() -> dict:
-        try:
+        with _naming_bad_data(run, run.cfg.data.eval_split):
             return engine.evaluate(eval_step, eval_ds, steps.eval_steps)
-        except tf.errors.DataLossError as err:
-            raise pipeline.explain_data_loss(err, run.cfg.data, run.data_dir, run.cfg.data.eval_split) from err
 
     def run_eval(step: int) -> dict:
         callback_list.on_test_begin()
@@ -224,7 +248,8 @@ def _evaluator(run: engine.Run, model, callback_list):
     return run_eval
 
 
-def _train_loop(run, model, loops: engine.Loops, ckpts, callback_list, run_eval, stop_requested, start_step: int) -> dict:
+def _train_loop(run, model, loops: engine.Loops, ckpts, callback_list, run_eval, stop_requested, start_step: int,
+                skipped_images: tf.Variable | None) -> dict:
     """Loops of steps from `start_step` to the end (or a callback's stop); returns the last eval's metrics.
 
     Each loop runs on device up to the next step where the host must act (`_loop_end`), then the
@@ -234,7 +259,7 @@ def _train_loop(run, model, loops: engine.Loops, ckpts, callback_list, run_eval,
     (the profiler starts there); the others, like every `on_train_batch_end`, after.
     """
     steps, plan = run.steps, loops.plan
-    iterator = iter(engine.train_dataset(run, start_step))
+    iterator = iter(engine.train_dataset(run, start_step, skipped_images))
     eval_results = {}
     callback_list.on_train_begin({"global_step": start_step})
     step = start_step
@@ -281,12 +306,24 @@ def _loop_end(run: engine.Run, step: int, plan: local_sgd.SyncPlan) -> int:
 
 def _run_loop(run: engine.Run, train_loop, iterator, stop_requested: threading.Event, num_steps: int):
     """`num_steps` global steps on device; ([mean loss per step], replicas stopping) on the host."""
-    try:
+    with _naming_bad_data(run, run.cfg.data.train_split):
         losses, workers_stopping = train_loop(iterator, tf.constant(float(stop_requested.is_set())),
                                               tf.constant(num_steps))
-    except tf.errors.DataLossError as err:
-        raise pipeline.explain_data_loss(err, run.cfg.data, run.data_dir, run.cfg.data.train_split) from err
     return losses.numpy().tolist(), float(workers_stopping.numpy())
+
+
+@contextlib.contextmanager
+def _naming_bad_data(run: engine.Run, split: str):
+    """A read error of `split` (a truncated shard, an image that does not decode) becomes a
+    `faults.CorruptDataError` naming the shard and record; other errors pass unchanged."""
+    try:
+        yield
+    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
+        explained = pipeline.explain_read_error(err, run.cfg.data, run.data_dir, split, rank=run.cluster.rank,
+                                                num_workers=run.cluster.size)
+        if explained is None:
+            raise
+        raise explained from err
 
 
 def _replay_batches(callback_list, first_step: int, first_batch: int, losses: list[float]) -> None:
@@ -348,7 +385,8 @@ def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> No
     except Preempted as preempted:
         logging.warning("%s; exit code %d", preempted, EXIT_PREEMPTED)
         sys.exit(EXIT_PREEMPTED)
-    except (workdirs.WorkdirBusy, io.WriteError, checkpoints.CheckpointError, ChiefRefused) as err:
+    except (workdirs.WorkdirBusy, io.WriteError, checkpoints.CheckpointError, faults.CorruptDataError,
+            ChiefRefused) as err:
         logging.error("%s; exit code %d", err, exit_code(err))  # the user's to act on: one line, no traceback
         sys.exit(exit_code(err))
 

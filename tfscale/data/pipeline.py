@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from tfscale import io as tfio
 from tfscale.config import ConfigError
-from tfscale.data import assignment, batch_augment, preprocess, stage, synthetic
+from tfscale.data import assignment, batch_augment, faults, preprocess, stage, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 _READ_BUFFER_BYTES = 8 << 20  # per open shard; large sequential reads suit parallel file systems
@@ -103,42 +103,6 @@ def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, s
             raise ValueError(f"shard {path} has {size} bytes but {where} says {shard['bytes']}: truncated or corrupt")
 
 
-_RECORD_HEADER_BYTES = 12  # uint64 length + uint32 masked CRC of the length
-_RECORD_FOOTER_BYTES = 4  # uint32 masked CRC of the data
-
-
-def truncated_shards(paths: list[str]) -> list[str]:
-    """'path: reason' for every TFRecord file whose record framing runs past its end.
-
-    Seeks from header to header, so it reads 12 bytes per record, not the data: cheap enough to
-    run when tf.data has reported a DataLossError without saying which file it was reading.
-    """
-    bad = []
-    for path in paths:
-        size = tf.io.gfile.stat(path).length
-        with tf.io.gfile.GFile(path, "rb") as f:
-            position, record = 0, 0
-            while position < size:
-                f.seek(position)
-                header = f.read(_RECORD_HEADER_BYTES)
-                length = int.from_bytes(header[:8], "little") if len(header) == _RECORD_HEADER_BYTES else None
-                end = position + _RECORD_HEADER_BYTES + (length or 0) + _RECORD_FOOTER_BYTES
-                if length is None or end > size:
-                    bad.append(f"{path}: record {record} at byte {position} runs past the end ({size} bytes)")
-                    break
-                position, record = end, record + 1
-    return bad
-
-
-def explain_data_loss(err: tf.errors.DataLossError, data_cfg, data_dir: str, split: str) -> Exception:
-    """A DataLossError that names the shard(s): TensorFlow's message gives only a byte offset."""
-    if data_cfg.dataset != "tfrecord":
-        return err
-    present = [p for p in list_shards(data_dir, split) if not is_staged_copy(data_dir) or os.path.exists(p)]
-    bad = truncated_shards(present) or [f"no truncated shard found in {data_dir}"]
-    return ValueError(f"corrupt TFRecord data ({err.message.strip()}): {'; '.join(bad)}")
-
-
 def holds_only_jpeg(data_dir: str, split: str) -> bool:
     """True when the split's manifest says every record is a JPEG (shards written by tfscale-convert).
 
@@ -188,13 +152,22 @@ def _keep_indices(ds: tf.data.Dataset, keep: Callable) -> tf.data.Dataset:
     return ds.enumerate().filter(kept).map(element_only)
 
 
+def worker_files(files: list[str], data_cfg, rank: int, workers: int) -> list[str]:
+    """The training shards worker `rank` of `workers` reads: its files under data.assignment, or every
+    file when the scheme assigns examples (fewer files than workers)."""
+    if assignment.shard_level(len(files), workers, data_cfg.assignment_level) != "file":
+        return files
+    scheme = dict(scheme=data_cfg.assignment, copies=data_cfg.copies, num_workers=workers)
+    return [files[i] for i in assignment.assign(len(files), rank=rank, **scheme)]
+
+
 def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tf.data.Dataset:
     """This worker's serialized records, endlessly, in shuffled file order."""
     rank, workers = input_context.input_pipeline_id, input_context.num_input_pipelines
     scheme = dict(scheme=data_cfg.assignment, copies=data_cfg.copies, num_workers=workers)
     assignment.check(data_cfg.assignment, data_cfg.copies, workers)
     if assignment.shard_level(len(files), workers, data_cfg.assignment_level) == "file":
-        mine = [files[i] for i in assignment.assign(len(files), rank=rank, **scheme)]
+        mine = worker_files(files, data_cfg, rank, workers)
         require_present(mine, os.path.dirname(mine[0]), f"worker {rank} of {workers} reads")
         ds = tf.data.Dataset.from_tensor_slices(mine)
         if not data_cfg.cache:  # a cache below freezes the first epoch's file order anyway
@@ -316,13 +289,46 @@ def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples:
     return data_dir
 
 
+def _train_example_fn(data_cfg: ml_collections.ConfigDict, data_dir: str):
+    """record -> (uint8 image, int32 label): parse (TFRecord) + decode + augment, one function.
+
+    One parallel map from record to training example: separate stages (parse, label check,
+    decode) cost a hand-over between tf.data threads per example, a few % (bench-input).
+    """
+    to_example = (lambda encoded, label: (encoded, label)) if data_cfg.dataset == "tfds" else _parse_fn(data_cfg)
+    jpeg_only = data_cfg.dataset == "tfrecord" and holds_only_jpeg(data_dir, data_cfg.train_split)
+
+    def prepare(*record):
+        encoded, label = to_example(*record)
+        image = preprocess.train_preprocess(encoded, image_size=data_cfg.image_size, augment=data_cfg.augment,
+                                            jpeg_only=jpeg_only)
+        return image, tf.cast(label, tf.int32)
+
+    return prepare
+
+
+def _eval_example_fn(data_cfg: ml_collections.ConfigDict, data_dir: str):
+    """(encoded, label) -> (uint8 image, int32 label, mask 1.0): the eval crop."""
+    jpeg_only = data_cfg.dataset == "tfrecord" and holds_only_jpeg(data_dir, data_cfg.eval_split)
+
+    def prepare(encoded, label):
+        image = preprocess.eval_preprocess(
+            encoded, image_size=data_cfg.image_size, augment=data_cfg.augment,
+            crop_fraction=data_cfg.eval_crop_fraction, jpeg_only=jpeg_only,
+        )
+        return image, tf.cast(label, tf.int32), tf.constant(1.0)
+
+    return prepare
+
+
 def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step: int,
-                   data_dir: str | None = None) -> InputFn:
+                   data_dir: str | None = None, skipped_images: tf.Variable | None = None) -> InputFn:
     """Training batches (uint8 images, labels) from global step `start_step` on.
 
     `data_dir` overrides `data_cfg.data_dir` (the staged copy). Synthetic data resumes exactly at
     `start_step`; record streams are reshuffled with a seed that includes it, so a resumed run
-    does not replay the examples it began with.
+    does not replay the examples it began with. With `data.skip_corrupt_images`, records whose image
+    does not decode are dropped and counted in `skipped_images` (an int64 variable of this worker).
     """
     data_dir = data_dir or data_cfg.data_dir
 
@@ -334,25 +340,21 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
         per_replica_batch = input_context.get_per_replica_batch_size(data_cfg.global_batch_size)
         if data_cfg.dataset == "tfds":
             records = _tfds_records(data_cfg, data_cfg.train_split, input_context, seed=worker_seed, shuffle_files=True)
-            records, to_example = records.repeat(), lambda encoded, label: (encoded, label)
+            records = records.repeat()
         else:
             records = _worker_records(list_shards(data_dir, data_cfg.train_split), data_cfg, input_context, worker_seed)
-            to_example = _parse_fn(data_cfg)
-        jpeg_only = data_cfg.dataset == "tfrecord" and holds_only_jpeg(data_dir, data_cfg.train_split)
-
-        def prepare(*record):
-            # One parallel map from record to training example: separate stages (parse, label check,
-            # decode) cost a hand-over between tf.data threads per example, a few % (bench-input).
-            encoded, label = to_example(*record)
-            image = preprocess.train_preprocess(encoded, image_size=data_cfg.image_size, augment=data_cfg.augment,
-                                                jpeg_only=jpeg_only)
-            return image, tf.cast(label, tf.int32)
-
+        prepare = _train_example_fn(data_cfg, data_dir)
         if data_cfg.shuffle_buffer > 1:
             # The records, before parsing: the smallest form an example takes here. Holding 10,000 of
             # them costs ~3% of the input rate in memory traffic (bench-input's "no shuffle" row).
             records = records.shuffle(data_cfg.shuffle_buffer, seed=worker_seed)
-        ds = records.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=data_cfg.deterministic)
+        if data_cfg.skip_corrupt_images:
+            size = data_cfg.image_size
+            placeholder = (tf.zeros([size, size, 3], tf.uint8), tf.constant(0, tf.int32))
+            ds = faults.skip_undecodable(records, prepare, placeholder, skipped_images,
+                                         deterministic=data_cfg.deterministic)
+        else:
+            ds = records.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=data_cfg.deterministic)
         ds = ds.batch(per_replica_batch, drop_remainder=True).map(_label_check_fn(data_cfg))
         ds = _batch_augment(ds, data_cfg)
         return _finish(ds, data_cfg)
@@ -391,18 +393,8 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batc
         per_replica_batch = input_context.get_per_replica_batch_size(global_batch_size)
         local_replicas = input_context.num_replicas_in_sync // input_context.num_input_pipelines
         size = data_cfg.image_size
-
-        jpeg_only = data_cfg.dataset == "tfrecord" and holds_only_jpeg(data_dir, data_cfg.eval_split)
-
-        def prepare(encoded, label):
-            image = preprocess.eval_preprocess(
-                encoded, image_size=size, augment=data_cfg.augment, crop_fraction=data_cfg.eval_crop_fraction,
-                jpeg_only=jpeg_only,
-            )
-            return image, tf.cast(label, tf.int32), tf.constant(1.0)
-
         real = _eval_records(data_cfg, data_dir, input_context).map(
-            prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+            _eval_example_fn(data_cfg, data_dir), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
         )
         padding = tf.data.Dataset.from_tensors(
             (tf.zeros([size, size, 3], tf.uint8), tf.constant(0, tf.int32), tf.constant(0.0))
@@ -414,3 +406,23 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batc
         return _finish(ds, data_cfg, deterministic=True)
 
     return input_fn
+
+
+def explain_read_error(err: tf.errors.OpError, data_cfg: ml_collections.ConfigDict, data_dir: str, split: str, *,
+                       rank: int, num_workers: int) -> Exception | None:
+    """A `faults.CorruptDataError` naming the shard and record behind a read error of worker `rank`'s
+    `split` pipeline; None when `err` is no data fault (re-raise it) or the data are not shards."""
+    if data_cfg.dataset != "tfrecord":
+        return None
+    read = list_shards(data_dir, split)
+    if split == data_cfg.eval_split:
+        parse, to_example = _parse_fn(data_cfg), _eval_example_fn(data_cfg, data_dir)
+        prepare = lambda record: to_example(*parse(record))  # noqa: E731
+        advice = "Evaluation never skips an image (its counts are exact): re-convert or remove that record"
+    else:
+        read = worker_files(read, data_cfg, rank, num_workers)
+        prepare = _train_example_fn(data_cfg, data_dir)
+        advice = ("Re-convert that shard, or skip such records with --config.data.skip_corrupt_images=True "
+                  "(counted in metrics.jsonl and summary.json)")
+    present = [p for p in read if not is_staged_copy(data_dir) or os.path.exists(p)]  # a node's partial copy
+    return faults.explain(err, present, prepare, advice)

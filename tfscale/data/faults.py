@@ -1,0 +1,162 @@
+"""Bad records inside shards: name them when a run stops on one, or skip and count them when asked.
+
+A shard can be whole (its TFRecord framing and checksums fine) and still hold a record whose image
+does not decode: bytes that are no image, a JPEG cut short, a format the converter mislabelled.
+tf.data reports such a record only as "Invalid JPEG data" from inside a map, and a truncated shard
+only as a byte offset; neither names the file. So:
+
+  * A run stops on the first bad record by default (`data.skip_corrupt_images=False`), and before it
+    exits it scans the files it was reading (`find_undecodable`, `truncated_shards`) to say which
+    shard and which record (0-based index in the shard) it was. The scan is a tf.data pipeline with
+    every core; it reads up to the first few bad records, so its cost falls on the failure only.
+  * `data.skip_corrupt_images=True` drops training records that do not decode (`skip_undecodable`)
+    and counts them in a host variable that the run reports (log rows, summary.json). The count is of
+    records the input pipeline has prepared, read-ahead included. Evaluation never skips: its
+    example counts are the contract of the eval metrics, so a bad eval record always stops the run.
+
+`CorruptDataError` is what the user sees; train.py turns it into exit code 65 (EX_DATAERR).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+
+class CorruptDataError(ValueError):
+    """A shard or a record in it cannot be read; the message names the file (and record)."""
+
+
+# Words of the errors an image decode or a tf.Example parse raises inside tf.data (InvalidArgumentError).
+_DECODE_ERROR_WORDS = ("JPEG", "jpeg", "image file format", "DecodeImage", "DecodePng", "DecodeGif", "DecodeBmp",
+                       "Could not parse example")
+_RECORD_HEADER_BYTES = 12  # uint64 length + uint32 masked CRC of the length
+_RECORD_FOOTER_BYTES = 4  # uint32 masked CRC of the data
+_MAX_NAMED = 5  # bad records named in one message (the scan stops there)
+
+
+def is_decode_error(err: tf.errors.OpError) -> bool:
+    return isinstance(err, tf.errors.InvalidArgumentError) and any(w in err.message for w in _DECODE_ERROR_WORDS)
+
+
+def short_message(err: BaseException) -> str:
+    """One line of `err` without TensorFlow's internal function name."""
+    text = " ".join(str(getattr(err, "message", err)).split())
+    return text.split("}} ", 1)[1] if text.startswith("{{function_node") and "}} " in text else text
+
+
+# ------------------------------------------------------------------------------------ truncated shards
+
+
+def truncated_shards(paths: list[str]) -> list[str]:
+    """'path: reason' for every TFRecord file whose record framing runs past its end.
+
+    Seeks from header to header, so it reads 12 bytes per record, not the data: cheap enough to
+    run when tf.data has reported a DataLossError without saying which file it was reading.
+    """
+    bad = []
+    for path in paths:
+        size = tf.io.gfile.stat(path).length
+        with tf.io.gfile.GFile(path, "rb") as f:
+            position, record = 0, 0
+            while position < size:
+                f.seek(position)
+                header = f.read(_RECORD_HEADER_BYTES)
+                length = int.from_bytes(header[:8], "little") if len(header) == _RECORD_HEADER_BYTES else None
+                end = position + _RECORD_HEADER_BYTES + (length or 0) + _RECORD_FOOTER_BYTES
+                if length is None or end > size:
+                    bad.append(f"{path}: record {record} at byte {position} runs past the end ({size} bytes)")
+                    break
+                position, record = end, record + 1
+    return bad
+
+
+# ------------------------------------------------------------------------------- undecodable records
+
+
+def _decodes(prepare: Callable, record: tf.Tensor) -> tf.data.Dataset:
+    """A one-element dataset: True when `prepare(record)` succeeds, False when it raises."""
+
+    def succeeded(r):
+        with tf.control_dependencies(tf.nest.flatten(prepare(r))):  # the decode runs, though its result is unused
+            return tf.constant(True)
+
+    attempt = tf.data.Dataset.from_tensors(record).map(succeeded).ignore_errors()
+    return attempt.concatenate(tf.data.Dataset.from_tensors(False)).take(1)
+
+
+def find_undecodable(paths: list[str], prepare: Callable[[tf.Tensor], object], limit: int = _MAX_NAMED) -> list[str]:
+    """'path: record i (reason)' for the first `limit` records of `paths` that `prepare` cannot turn
+    into an example (parse + decode), in file order; [] when every record decodes."""
+    num_files = len(paths)
+
+    def records_of(file_index):
+        records = tf.data.TFRecordDataset(tf.gather(paths, file_index))
+        return records.enumerate().map(lambda index, record: (file_index, index, record))
+
+    def checked(file_index, index, record):
+        return _decodes(prepare, record).map(lambda ok: (file_index, index, ok))
+
+    scan = tf.data.Dataset.range(num_files).interleave(
+        records_of, cycle_length=max(1, min(num_files, 16)), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    scan = scan.interleave(checked, cycle_length=64, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    bad = scan.filter(lambda file_index, index, ok: tf.logical_not(ok)).take(limit)
+    named = []
+    for file_index, index, _ in bad.as_numpy_iterator():
+        path = paths[int(file_index)]
+        named.append(f"{path}: record {int(index)} ({_reason(path, int(index), prepare)})")
+    return named
+
+
+def _reason(path: str, index: int, prepare: Callable) -> str:
+    """What `prepare` raises on record `index` of `path` (run again, eagerly, for its message)."""
+    record = next(iter(tf.data.TFRecordDataset(path).skip(index).take(1)))
+    try:
+        prepare(record)
+    except tf.errors.OpError as err:
+        return short_message(err)
+    return "decodes when read alone"
+
+
+def skip_undecodable(records: tf.data.Dataset, prepare: Callable, placeholder: tuple, counter: tf.Variable | None,
+                     *, deterministic: bool) -> tf.data.Dataset:
+    """`records.map(prepare)` (parallel) without the records that raise, each counted in `counter`.
+
+    `placeholder`: an example of `prepare`'s structure, never emitted. Each record is prepared in a
+    one-element dataset whose error `ignore_errors` drops, so a bad record becomes a flag, not a
+    failed pipeline (`ignore_errors` on the whole map would drop it without a trace).
+    """
+
+    def attempt(*record):
+        prepared = tf.data.Dataset.from_tensors(record).map(lambda *r: (*prepare(*r), True)).ignore_errors()
+        return prepared.concatenate(tf.data.Dataset.from_tensors((*placeholder, False))).take(1)
+
+    def count(*example_and_ok):
+        ok = example_and_ok[-1]
+        if counter is None:  # nobody asks how many (the benchmark's input mode)
+            return ok
+        with tf.control_dependencies([counter.assign_add(tf.cast(tf.logical_not(ok), tf.int64))]):
+            return tf.identity(ok)
+
+    examples = records.interleave(attempt, cycle_length=tf.data.AUTOTUNE, num_parallel_calls=tf.data.AUTOTUNE,
+                                  deterministic=deterministic)
+    return examples.filter(count).map(lambda *example_and_ok: example_and_ok[:-1])
+
+
+def explain(err: tf.errors.OpError, paths: list[str], prepare: Callable, what: str) -> CorruptDataError | None:
+    """A CorruptDataError naming the shard (and record) behind `err`, or None when `err` is no data fault.
+
+    `paths`: the shards the failing pipeline read; `prepare`: its record -> example function; `what`:
+    how the message continues (what the user can do).
+    """
+    if isinstance(err, tf.errors.DataLossError):
+        bad = truncated_shards(paths) or [f"no truncated shard found among the {len(paths)} read"]
+        return CorruptDataError(f"corrupt TFRecord data ({short_message(err)}): {'; '.join(bad)}")
+    if not is_decode_error(err):
+        return None
+    bad = find_undecodable(paths, prepare)
+    if not bad:
+        return CorruptDataError(f"a record did not decode ({short_message(err)}), yet a scan of the "
+                                f"{len(paths)} shards read found none that fails again: {what}")
+    return CorruptDataError(f"corrupt image: {'; '.join(bad)}. {what}")
