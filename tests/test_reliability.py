@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, classic_example, load_config, quiet_env, read_jsonl
+from conftest import REPO, checkpoint_values, classic_example, load_config, quiet_env, read_jsonl
 
 from tfscale import schedules, workdir
 
@@ -428,3 +428,52 @@ def test_corrupt_eval_image_always_stops_naming_it(shards_with_bad_images, tmp_p
     assert result.returncode == 65, result.stdout[-3000:]
     assert f"corrupt image: {data['eval_bad']}/validation-00000-of-00001: record 6 (" in result.stdout
     assert "Evaluation never skips an image" in result.stdout
+
+
+# --- 10. kill -9 of a worker in the pre-flight all-reduce, during restore, during eval ---------------
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_60(tmp_path_factory):
+    """The final checkpoint of a 2-worker smoke run of 60 steps that nothing interrupted."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = launch(root, root / "run", 2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return checkpoint_values(root / "run")
+
+
+def test_worker_killed_in_preflight_restore_or_eval_ends_the_job_in_bounded_time_and_resume_is_exact(
+        uninterrupted_60, tmp_path):
+    """No launcher here: the survivor must notice by itself (as under srun), within the timeouts."""
+    from test_multiworker import read_log, start_workers
+
+    run = tmp_path / "run"
+    detect = ["--config.distribute.heartbeat_timeout_s=5", "--config.distribute.connect_timeout_s=30"]
+    exit_times = {}
+    # eval: at step 30, after the checkpoint of step 20; restore: the rerun, from that checkpoint
+    for phase in ("preflight", "eval", "restore"):
+        procs, _ = start_workers([DRIVER, str(tmp_path / "w{rank}.npz"), f"--hang_at={phase}:1", *SMOKE,
+                                  f"--workdir={run}", "--config.distribute.backend=mwms", *detect], 2, tmp_path)
+        try:
+            marker = tmp_path / f"w1_hanging-{phase}"
+            wait_for(lambda: marker.exists() and marker.read_text(), procs[0], f"rank 1 stopping in {phase}")
+            procs[1].kill()
+            killed_at = time.time()
+            code = procs[0].wait(timeout=120)
+            exit_times[phase] = time.time() - killed_at
+        finally:
+            for proc in procs:
+                proc.kill()
+        assert code != 0, read_log(tmp_path, 0)[-3000:]
+        assert exit_times[phase] < 60, f"{phase}: the survivor took {exit_times[phase]:.0f} s to exit"
+        exit_times[phase] = f"{exit_times[phase]:.1f} s (exit {code})"
+    print(f"survivor exited after kill -9 of rank 1: {exit_times}")
+
+    final = launch(tmp_path, run, 2, *detect)
+    assert final.returncode == 0, final.stdout[-3000:]
+    assert f"resumed from {run}/checkpoints/ckpt-20 at step 20" in final.stdout
+    assert steps_of(run) == [10, 20, 30, 40, 50, 60] and steps_of(run, "eval_top1") == [30, 60]
+    resumed = checkpoint_values(run)
+    assert resumed.keys() == uninterrupted_60.keys()
+    for key, value in uninterrupted_60.items():  # the same weights and slots as without the kills
+        np.testing.assert_allclose(resumed[key], value, rtol=1e-4, atol=1e-5, err_msg=key)

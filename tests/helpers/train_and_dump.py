@@ -14,6 +14,9 @@ Faults at exact points, for tests/test_reliability.py (each option right after W
   --sigterm_at_step=N:RANK    worker RANK sends itself SIGTERM after step N's callbacks (right before the
                               checkpoint save of a checkpoint step: Python runs the handler at once)
   --sigterm_in_eval=RANK      worker RANK sends itself SIGTERM twice when the first evaluation begins
+  --hang_at=PHASE:RANK        worker RANK stops in PHASE (preflight: before the cluster's first all-reduce;
+                              restore: before restoring; eval: when the first evaluation begins), creates
+                              WEIGHTS_hanging-PHASE and sleeps, for a test to kill it there (kill -9)
 """
 
 import hashlib
@@ -21,12 +24,13 @@ import json
 import os
 import signal
 import sys
+import time
 
 import keras
 import numpy as np
 
 from tfscale import config as tfs_config
-from tfscale import engine, train
+from tfscale import checkpoints, distribute, engine, train
 
 
 class DumpWeights(keras.callbacks.Callback):
@@ -71,6 +75,23 @@ class Faults(keras.callbacks.Callback):
         if self.evals == 1 and self.sigterm_in_eval == self.rank:
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)  # Slurm may signal a task twice
+        if self.evals == 1 and HANG_AT == ("eval", self.rank):
+            hang("eval")
+
+
+def hang(phase):
+    """Marks that this worker reached `phase` (the file holds its pid), then waits to be killed."""
+    with open(OUTPUT.replace(".npz", f"_hanging-{phase}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def hang_before(phase, function):
+    """`function`, preceded by a hang on the worker that --hang_at names for `phase`."""
+    def wrapped(*args, **kwargs):
+        hang(phase)
+        return function(*args, **kwargs)
+    return wrapped
 
 
 def pop_fault_options(argv) -> dict:
@@ -79,6 +100,13 @@ def pop_fault_options(argv) -> dict:
         name, _, value = argv.pop(1)[2:].partition("=")
         options[name] = tuple(int(v) for v in value.split(":")) if ":" in value else int(value)
     return options
+
+
+def pop_hang_at(argv):
+    if len(argv) > 1 and argv[1].startswith("--hang_at="):
+        phase, _, rank = argv.pop(1).split("=")[1].partition(":")
+        return phase, int(rank)
+    return None
 
 
 def build_model_with_frozen_bn(cfg, build_model=engine.build_model):
@@ -90,7 +118,7 @@ def build_model_with_frozen_bn(cfg, build_model=engine.build_model):
 
 
 def main(cfg, workdir):
-    faults = [Faults(int(RANK), **FAULTS)] if FAULTS else []
+    faults = [Faults(int(RANK), **FAULTS)] if FAULTS or HANG_AT else []
     train.main(cfg, workdir, extra_callbacks=[DumpWeights(OUTPUT), *faults])  # SIGTERM: exit code 75, as the CLI
 
 
@@ -99,6 +127,11 @@ if __name__ == "__main__":
     RANK = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", str(TASK)))
     OUTPUT = sys.argv.pop(1).replace("{rank}", RANK)
     FAULTS = pop_fault_options(sys.argv)
+    HANG_AT = pop_hang_at(sys.argv)
+    if HANG_AT == ("preflight", int(RANK)):
+        distribute.preflight_all_reduce = hang_before("preflight", distribute.preflight_all_reduce)
+    if HANG_AT == ("restore", int(RANK)):
+        checkpoints.Checkpoints.restore_or_init = hang_before("restore", checkpoints.Checkpoints.restore_or_init)
     if sys.argv[1] == "--freeze_bn":
         sys.argv.pop(1)
         engine.build_model = build_model_with_frozen_bn
