@@ -12,7 +12,7 @@ EXTRAS := $(if $(TF_EXTRA),$(TF_EXTRA)$(comma))test
 
 HOROVOD_STAMP := $(VENV)/.installed-horovod
 
-.PHONY: venv horovod slurm fashion-mnist demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling clean
+.PHONY: venv horovod slurm fashion-mnist demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
 
 venv: $(STAMP)
 
@@ -87,6 +87,12 @@ bench-convert: venv
 # table + plot in runs/sweep/report.{md,png}.
 bench-scaling: venv horovod
 	$(PY) tools/sweep.py --workdir=runs/sweep --workers=1,2 --backends=mwms,horovod
+
+# Fault-injection soak (docs/reliability.md): kill -9 / SIGTERM at random steps of a 2-worker run, each
+# followed by a resume; the finished run must equal an uninterrupted one. `make soak CYCLES=50`.
+CYCLES ?= 20
+soak: venv
+	$(PY) tools/soak.py --workdir=runs/soak --cycles=$(CYCLES)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
