@@ -1,5 +1,6 @@
 """Shared test set-up: quiet TensorFlow, repo paths, config loading as the CLI does it, workdir readers."""
 
+import contextlib
 import json
 import os
 import sys
@@ -121,3 +122,20 @@ def quiet_env(**extra):
     env.pop("TF_CONFIG", None)
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def small_file_system(mount_point, size: str):
+    """A tmpfs of `size` (mount's syntax: 64k, 8m) at `mount_point`, to fill up; skips the test where it
+    cannot be mounted (not root)."""
+    import subprocess
+
+    os.makedirs(mount_point, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+                            capture_output=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {result.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, checkpoint_values, classic_example, load_config, quiet_env, read_jsonl
+from conftest import REPO, checkpoint_values, classic_example, load_config, quiet_env, read_jsonl, small_file_system
 
 from tfscale import schedules, workdir
 
@@ -148,14 +148,9 @@ def test_files_a_killed_save_leaves_are_ignored(trained_40, tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """An 8 MiB tmpfs to fill (root only: mount)."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], capture_output=True)
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {result.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=True)
+    """An 8 MiB file system to fill."""
+    with small_file_system(tmp_path / "disk", "8m") as mount_point:
+        yield mount_point
 
 
 def fill(directory, leave_bytes=0):

@@ -12,7 +12,7 @@ import time
 
 import ml_collections
 import pytest
-from conftest import read_jsonl
+from conftest import read_jsonl, small_file_system
 
 from tfscale import io, workdir
 from tfscale.config import ConfigError, base_config
@@ -157,14 +157,9 @@ def test_metrics_are_trimmed_to_the_resume_step_and_a_torn_line_dropped(tmp_path
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    """A 64 KiB tmpfs (root only: mount)."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)], capture_output=True)
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {result.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
+    """A 64 KiB file system to fill."""
+    with small_file_system(tmp_path / "disk", "64k") as mount_point:
+        yield mount_point
 
 
 def test_append_on_a_full_disk_keeps_whole_lines_and_names_the_path(tiny_disk):
