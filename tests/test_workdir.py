@@ -180,3 +180,9 @@ def test_atomic_write_on_a_full_disk_keeps_the_old_file(tiny_disk):
     with pytest.raises(io.WriteError, match=f"could not write {path}: No space left on device"):
         io.write_json(path, {"pad": "x" * 200_000})
     assert json.load(open(path)) == {"steps": 10} and os.listdir(tiny_disk) == ["summary.json"]
+
+
+def test_a_workdir_that_cannot_be_written_is_named(tmp_path):
+    (tmp_path / "file").write_text("")  # a file where the workdir should be
+    with pytest.raises(io.WriteError, match=f"could not write {tmp_path}/file/lock.json: "):
+        workdir.claim(str(tmp_path / "file"), smoke_dict(), resume_cfg())

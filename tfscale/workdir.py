@@ -245,10 +245,14 @@ def record_config(workdir: str, cfg_dict: dict, changes: dict[str, tuple], force
 def claim(workdir: str, cfg_dict: dict, resume_cfg) -> Lock:
     """The chief's start in `workdir`: the lock, the config check, `config.json` (and its history).
 
-    Raises WorkdirBusy or ConfigError having written nothing (and holding no lock).
+    Raises WorkdirBusy, ConfigError or io.WriteError (a workdir it cannot write) having written
+    nothing (and holding no lock).
     """
-    os.makedirs(workdir, exist_ok=True)
-    lock = acquire(workdir, resume_cfg.lock_stale_after_s)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        lock = acquire(workdir, resume_cfg.lock_stale_after_s)
+    except OSError as err:
+        raise err if isinstance(err, io.WriteError) else io.write_error(os.path.join(workdir, LOCK_NAME), err) from err
     try:
         changes = check_config(workdir, cfg_dict, allow_changes=resume_cfg.allow_config_changes)
         forced = any(not is_safe_change(key) for key in changes)
