@@ -157,7 +157,9 @@ def main(argv):
     del argv
     root = os.path.abspath(_WORKDIR.value)
     os.makedirs(root, exist_ok=True)
-    epochs = _EPOCHS.value or max(5.0, _CYCLES.value * 0.75)  # ~15 steps of progress per cycle on average
+    # A cycle advances ~15 steps on average (a kill loses what followed the last checkpoint): 40 steps a
+    # cycle leave the last faults far from the end, where the run would simply finish.
+    epochs = _EPOCHS.value or max(5.0, _CYCLES.value * 2.0)
     reference, soaked = os.path.join(root, "reference"), os.path.join(root, "run")
     rng = random.Random(_SEED.value)
     print(f"soak: reference run of {int(epochs * STEPS_PER_EPOCH)} steps on {_WORKERS.value} {_BACKEND.value} workers")
