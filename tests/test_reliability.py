@@ -143,6 +143,25 @@ def test_files_a_killed_save_leaves_are_ignored(trained_40, tmp_path):
     assert summary(run)["steps"] == 60 and latest_checkpoint_step(run) == 60
 
 
+def test_chief_killed_in_the_middle_of_a_save_resumes_from_the_checkpoint_before(tmp_path):
+    """A real kill -9 while TensorFlow writes ckpt-20 (ResNet-18's 86 MB take long enough to be caught)."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "tfscale.train", *SMOKE, f"--workdir={run}", "--config.model.name=resnet18",
+               "--config.checkpoint.every_epochs=0.5"]
+    proc = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: os.path.exists(run / "checkpoints" / "ckpt-20_temp"), proc, "the save of step 20", timeout_s=300)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert latest_checkpoint_step(run) == 10  # ckpt-20 was never listed
+    rerun = subprocess.run(command, cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {run}/checkpoints/ckpt-10 at step 10" in rerun.stderr
+    assert summary(run)["steps"] == 60 and steps_of(run) == [10, 20, 30, 40, 50, 60]
+
+
 # --- 2. disk full ---------------------------------------------------------------------------------
 
 
