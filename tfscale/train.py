@@ -67,14 +67,16 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
     (`train.steps_per_loop`), checkpointed.
     """
     locks = []
-    run = engine.setup(cfg, before_data=lambda cluster: locks.extend(_claim_workdir(cluster, workdir, cfg)))
-    stop_requested, restore_sigterm = _watch_sigterm()
     try:
-        with engine.precision_policy(cfg.precision):
-            return _train(run, workdir, extra_callbacks, stop_requested)
+        run = engine.setup(cfg, before_data=lambda cluster: locks.extend(_claim_workdir(cluster, workdir, cfg)))
+        stop_requested, restore_sigterm = _watch_sigterm()
+        try:
+            with engine.precision_policy(cfg.precision):
+                return _train(run, workdir, extra_callbacks, stop_requested)
+        finally:
+            restore_sigterm()
     finally:
-        restore_sigterm()
-        for lock in locks:
+        for lock in locks:  # also when the data check after the claim fails
             lock.release()
 
 
