@@ -130,7 +130,8 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
         with open(summary_path) as f:
             return json.load(f)
 
-    skipped_images, count_skipped = _skipped_images_counter(run)
+    skipped_images, count_skipped = (faults.skipped_images_counter(run.cluster) if cfg.data.skip_corrupt_images
+                                     else (None, None))
     logger = tfs_callbacks.MetricsLogger(
         workdir, is_chief=run.cluster.is_chief, global_batch_size=cfg.data.global_batch_size,
         steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps, log_every_steps=cfg.train.log_every_steps,
@@ -163,24 +164,6 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
         io.write_json(summary_path, summary, sort_keys=True)
         logging.info("done: %s; workdir %s", json.dumps(summary), os.path.abspath(workdir))
     return summary
-
-
-def _skipped_images_counter(run: engine.Run):
-    """With data.skip_corrupt_images: this worker's counter of skipped records, and a function giving
-    the job's total as a row field (a collective: every worker calls it at the same log steps)."""
-    if not run.cfg.data.skip_corrupt_images:
-        return None, None
-    counter = tf.Variable(0, dtype=tf.int64, trainable=False)  # on this host's CPU, where tf.data runs
-    reported = [0]
-
-    def job_total() -> dict:
-        total = int(sum(row[0] for row in run.cluster.gather_per_worker([float(counter.numpy())])))
-        if total > reported[0] and run.cluster.is_chief:
-            logging.warning("%d corrupt image(s) skipped so far (data.skip_corrupt_images=True)", total)
-        reported[0] = total
-        return {"corrupt_images_skipped": total}
-
-    return counter, job_total
 
 
 def _eval_missing_at(run: engine.Run, plan: local_sgd.SyncPlan, start_step: int, logged: list[dict]) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 import tensorflow as tf
+from absl import logging
 
 
 class CorruptDataError(ValueError):
@@ -142,6 +143,24 @@ def skip_undecodable(records: tf.data.Dataset, prepare: Callable, placeholder: t
     examples = records.interleave(attempt, cycle_length=tf.data.AUTOTUNE, num_parallel_calls=tf.data.AUTOTUNE,
                                   deterministic=deterministic)
     return examples.filter(count).map(lambda *example_and_ok: example_and_ok[:-1])
+
+
+def skipped_images_counter(cluster) -> tuple[tf.Variable, Callable[[], dict]]:
+    """This worker's counter for `skip_undecodable`, and a function giving the job's total as a log field.
+
+    The function is a collective (`cluster.gather_per_worker`): every worker calls it at the same steps.
+    """
+    counter = tf.Variable(0, dtype=tf.int64, trainable=False)  # on this host's CPU, where tf.data runs
+    reported = [0]
+
+    def job_total() -> dict:
+        total = int(sum(row[0] for row in cluster.gather_per_worker([float(counter.numpy())])))
+        if total > reported[0] and cluster.is_chief:
+            logging.warning("%d corrupt image(s) skipped so far (data.skip_corrupt_images=True)", total)
+        reported[0] = total
+        return {"corrupt_images_skipped": total}
+
+    return counter, job_total
 
 
 def explain(err: tf.errors.OpError, paths: list[str], prepare: Callable, what: str) -> CorruptDataError | None:
