@@ -1,22 +1,26 @@
-"""Staging shards to node-local storage: verification, resume, free space, one copier per node."""
+"""Staging shards to node-local storage: verification, resume, free space, one copier per node, and the
+faults of a long job (a killed node, flaky reads, transient read errors, a small disk)."""
 
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import multiprocessing
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+from conftest import REPO, small_file_system
 
 from tfscale import io as tfio
 from tfscale.data import assignment, stage, stage_copy
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARD_BYTES = 256 << 10
 
 
@@ -439,9 +443,13 @@ def test_a_crashed_copier_is_taken_over(src, tmp_path):
 # ------------------------------------------------------------------------------------------ CLI
 
 
+def tool_command(*args):
+    return [sys.executable, os.path.join(REPO, "tools", "stage_data.py"), *args]
+
+
 def run_tool(*args, env=None):
-    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "stage_data.py"), *args],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+    return subprocess.run(tool_command(*args), capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
 
 
 def test_cli(src, tmp_path):
@@ -528,3 +536,249 @@ def test_cli_logs_progress_without_a_terminal(src8, tmp_path):
     total_mb = sum(len(c) for c in contents.values()) / 1e6
     assert len(lines) >= len(contents), done.stderr  # a line per chunk and per finished file at interval 0
     assert f"10/10 files, {total_mb:.1f}/{total_mb:.1f} MB" in lines[-1] and "MB/s" in lines[-1]
+
+
+# ------------------------------------------------------------------------------ faults of a real job
+
+# There is no flaky NFS server or failing disk here, so faults are injected into the real tool: a
+# sitecustomize.py on the child's PYTHONPATH wraps stage_copy._read_chunk, the one call that reads a
+# source shard's bytes, and makes it fail (or stall, or return a flipped byte) for one shard. The CLI,
+# the retries and their logs, the exit code and the files on disk are all real.
+_FAULT_SITECUSTOMIZE = '''
+import errno, json, os, time
+from tfscale.data import stage_copy
+
+_FAULT = json.loads(os.environ["TFSCALE_TEST_FAULT"])  # {"shard", "kind", "times", "bytes"}
+_real_read_chunk = stage_copy._read_chunk
+_faults_done = 0
+
+
+def _faulty_read_chunk(fin, buffer):
+    global _faults_done
+    if os.path.basename(fin.name) != _FAULT["shard"] or _faults_done >= _FAULT["times"]:
+        return _real_read_chunk(fin, buffer)
+    if _FAULT["kind"] == "flip":  # the read "succeeds" with a wrong byte; counted only when it read data
+        n = _real_read_chunk(fin, buffer)
+        if n:
+            buffer[0] ^= 0xFF
+            _faults_done += 1
+        return n
+    _faults_done += 1
+    if _FAULT["kind"] == "stall":  # the first read gets part of the shard, the next hangs (until killed)
+        if _faults_done == 1:
+            return _real_read_chunk(fin, memoryview(buffer)[:_FAULT["bytes"]])
+        time.sleep(600)
+    code = getattr(errno, _FAULT["kind"])  # "EIO", "ESTALE", "EACCES", ...
+    raise OSError(code, os.strerror(code))
+
+
+stage_copy._read_chunk = _faulty_read_chunk
+'''
+_FAST_RETRY_S = 0.001  # --read_retry_delay_s of these tests: the backoff doubles it, a test waits ~ms
+
+
+def fault_env(tmp_path, shard, kind, times, nbytes=0):
+    """Environment of a tool process whose reads of `shard` fault `times` times (see _FAULT_SITECUSTOMIZE)."""
+    fault_dir = tmp_path / "fault_injection"
+    fault_dir.mkdir(exist_ok=True)
+    (fault_dir / "sitecustomize.py").write_text(_FAULT_SITECUSTOMIZE)
+    python_path = os.pathsep.join(p for p in (str(fault_dir), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": python_path,
+            "TFSCALE_TEST_FAULT": json.dumps({"shard": shard, "kind": kind, "times": times, "bytes": nbytes})}
+
+
+def assert_staged_copy_verifies(dest, src_dir, splits=("train", "validation")):
+    """Every shard the staged manifests list is in dest under its final name, with their size and sha256;
+    no temp file is left."""
+    for split in splits:
+        name = f"manifest-{split}.json"
+        assert read(os.path.join(dest, name)) == read(os.path.join(src_dir, name))
+        manifest = json.loads(read(os.path.join(dest, name)))
+        for entry in manifest["shards"]:
+            data = read(os.path.join(dest, entry["name"]))
+            assert (len(data), hashlib.sha256(data).hexdigest()) == (entry["bytes"], entry["sha256"]), entry["name"]
+    assert partial_files(dest) == []
+
+
+def assert_only_verified_files(dest, contents):
+    """What is under a final name in dest is a whole, correct shard; no temp file is left."""
+    assert all(read(os.path.join(dest, name)) == contents[name] for name in shard_files(dest))
+    assert partial_files(dest) == []
+
+
+def retry_lines(stderr, path):
+    return [line for line in stderr.splitlines() if f"reading {path} failed" in line and "retrying in" in line]
+
+
+def test_a_killed_stage_process_resumes_and_copies_only_what_is_missing(src, tmp_path):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    order = sorted(n for n in contents if n.startswith("train")) + sorted(n for n in contents if n.startswith("valid"))
+    victim = order[2]  # one thread copies in plan order: the two shards before it are done when it stalls
+    half_bytes = len(contents[victim]) // 2
+    # The victim's first read gets half the shard, its second hangs: the SIGKILL lands mid-copy, every time.
+    proc = subprocess.Popen(tool_command(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_threads=1"),
+                            env={**os.environ, **fault_env(tmp_path, victim, "stall", 2, half_bytes)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        half_written = wait_for_partial(dest, victim, half_bytes, proc)
+    finally:
+        proc.kill()
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, stderr
+    assert half_written == f"{stage.PARTIAL_PREFIX}{victim}.{proc.pid}"
+    assert shard_files(dest) == order[:2]
+    done_before = {n: os.stat(os.path.join(dest, n)) for n in order[:2]}
+
+    rerun = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}")
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"copied {len(order) - 2} files" in rerun.stderr and "(2 already staged)" in rerun.stderr
+    assert "partial files of an interrupted staging run" in rerun.stderr
+    assert_staged_copy_verifies(dest, src_dir)
+    for name, before in done_before.items():  # the same files, not copies of them made again
+        after = os.stat(os.path.join(dest, name))
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), name
+
+
+def wait_for_partial(dest, shard, nbytes, proc, timeout_s=30.0):
+    """Name of the temp file of `shard` in dest once it holds `nbytes` bytes (the copier stalls there)."""
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        assert proc.poll() is None, f"the tool exited ({proc.returncode}) before the fault: {proc.stderr.read()}"
+        if os.path.isdir(dest):
+            for name in partial_files(dest):
+                if shard in name and os.path.getsize(os.path.join(dest, name)) == nbytes:
+                    return name
+        time.sleep(0.01)
+    raise AssertionError(f"no {nbytes}-byte temp file of {shard} in {dest} after {timeout_s} s")
+
+
+def test_a_copy_corrupted_by_a_flaky_read_is_copied_again_once(src, tmp_path):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    victim = "train-00001-of-00004"
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}",
+                    env=fault_env(tmp_path, victim, "flip", stage_copy.MISMATCH_RECOPIES))
+    assert done.returncode == 0, done.stderr
+    again = [line for line in done.stderr.splitlines() if "copying it again" in line]
+    assert len(again) == stage_copy.MISMATCH_RECOPIES, done.stderr
+    expected = hashlib.sha256(contents[victim]).hexdigest()
+    assert os.path.join(src_dir, victim) in again[0] and f"expected sha256 {expected}" in again[0]
+    assert f"copied {len(contents)} files" in done.stderr
+    assert_staged_copy_verifies(dest, src_dir)
+
+
+def test_a_copy_that_never_matches_its_manifest_fails_naming_both_checksums(src, tmp_path):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    victim = "validation-00000-of-00002"
+    copies = stage_copy.MISMATCH_RECOPIES + 1
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_threads=1",
+                    env=fault_env(tmp_path, victim, "flip", copies))
+    assert done.returncode == 1, done.stderr
+    flipped = bytes([contents[victim][0] ^ 0xFF]) + contents[victim][1:]  # what the faulty reads return
+    expected, observed = hashlib.sha256(contents[victim]).hexdigest(), hashlib.sha256(flipped).hexdigest()
+    error = done.stderr.strip().splitlines()[-1]
+    assert os.path.join(src_dir, victim) in error and "not staged" in error
+    assert f"expected sha256 {expected}" in error and f"observed {observed}" in error
+    assert f"in each of {copies} copies" in error and "Traceback" not in done.stderr
+    assert victim not in os.listdir(dest)
+    assert_only_verified_files(dest, contents)
+    assert victim not in json.loads(read(os.path.join(dest, stage.STATE_FILE)))["files"]
+
+
+@pytest.mark.parametrize("errno_name", ["EIO", "ESTALE"])
+def test_transient_read_errors_are_retried_with_backoff(src, tmp_path, errno_name):
+    src_dir, _ = src
+    dest = str(tmp_path / "local")
+    victim = os.path.join(src_dir, "train-00003-of-00004")
+    failures = stage_copy.READ_ATTEMPTS - 1  # the last attempt succeeds
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", f"--read_retry_delay_s={_FAST_RETRY_S}",
+                    env=fault_env(tmp_path, os.path.basename(victim), errno_name, failures))
+    assert done.returncode == 0, done.stderr
+    lines = retry_lines(done.stderr, victim)
+    assert len(lines) == failures, done.stderr
+    assert all(f"({errno_name}: " in line for line in lines)
+    delays_s = [float(re.search(r"retrying in (\S+) s", line).group(1)) for line in lines]
+    assert delays_s == pytest.approx([_FAST_RETRY_S * 2 ** i for i in range(failures)])
+    assert_staged_copy_verifies(dest, src_dir)
+
+
+def test_a_read_failing_every_attempt_gives_up_naming_path_errno_and_attempts(src, tmp_path):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    victim = os.path.join(src_dir, "train-00002-of-00004")
+    attempts = stage_copy.READ_ATTEMPTS
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", f"--read_retry_delay_s={_FAST_RETRY_S}",
+                    "--num_threads=1", env=fault_env(tmp_path, os.path.basename(victim), "ESTALE", attempts))
+    assert done.returncode == 1, done.stderr
+    assert len(retry_lines(done.stderr, victim)) == attempts - 1
+    error = done.stderr.strip().splitlines()[-1]
+    assert f"reading {victim} failed {attempts} times" in error and "ESTALE" in error
+    assert f"of {attempts} attempts" in error and "Traceback" not in done.stderr
+    assert os.path.basename(victim) not in shard_files(dest)
+    assert_only_verified_files(dest, contents)  # copies already under way when it failed finish, verified
+    # The file system is back: the rerun copies the rest and keeps what was staged.
+    staged = shard_files(dest)
+    rerun = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}")
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"copied {len(contents) - len(staged)} files" in rerun.stderr
+    assert f"({len(staged)} already staged)" in rerun.stderr
+    assert_staged_copy_verifies(dest, src_dir)
+
+
+@pytest.mark.parametrize("errno_name", ["ENOENT", "EACCES"])
+def test_other_read_errors_are_not_retried(src, tmp_path, errno_name):
+    src_dir, contents = src
+    dest = str(tmp_path / "local")
+    victim = os.path.join(src_dir, "train-00000-of-00004")
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--num_threads=1",
+                    env=fault_env(tmp_path, os.path.basename(victim), errno_name, 1))  # would succeed if retried
+    assert done.returncode == 1, done.stderr
+    assert retry_lines(done.stderr, victim) == []
+    error = done.stderr.strip().splitlines()[-1]
+    assert victim in error and os.strerror(getattr(errno, errno_name)) in error and "Traceback" not in done.stderr
+    assert os.path.basename(victim) not in shard_files(dest)
+    assert_only_verified_files(dest, contents)
+
+
+# ------------------------------------------------------------------------------- a real small disk
+
+TINY_DISK_BYTES = 2 << 20
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 2 MiB file system (tmpfs) standing for a node-local disk too small for the shards."""
+    with small_file_system(tmp_path / "tiny_disk", str(TINY_DISK_BYTES)) as mount_point:
+        yield str(mount_point)
+
+
+def test_a_real_disk_too_small_fails_before_copying(tiny_disk, tmp_path):
+    src_dir = str(tmp_path / "shared")
+    contents = write_shards(src_dir, "train", 3, shard_bytes=1 << 20)
+    dest = os.path.join(tiny_disk, "local")
+    done = run_tool(f"--src_dir={src_dir}", f"--dest_dir={dest}", "--splits=train")
+    assert done.returncode == 1, done.stderr
+    needed = sum(len(c) for c in contents.values()) + os.path.getsize(os.path.join(src_dir, "manifest-train.json"))
+    free = shutil.disk_usage(tiny_disk).free  # nothing written since the check (the lock file came before it)
+    assert needed > free
+    error = done.stderr.strip().splitlines()[-1]
+    assert f"not enough space in {dest}" in error and f"needs {needed} bytes" in error
+    assert f"only {free} bytes" in error and "Traceback" not in done.stderr
+    assert shard_files(dest) == [] and partial_files(dest) == []
+    assert not any("manifest" in n for n in os.listdir(dest))
+
+
+def test_a_full_disk_while_copying_is_not_retried(tiny_disk, tmp_path, monkeypatch, caplog):
+    """ENOSPC when the disk fills anyway (another job wrote to it after the check): fail at once, cleanly."""
+    src_dir = str(tmp_path / "shared")
+    contents = write_shards(src_dir, "train", 3, shard_bytes=1 << 20)
+    dest = os.path.join(tiny_disk, "local")
+    monkeypatch.setattr(stage_copy, "_free_bytes", lambda path: 1 << 40)  # the check saw space
+    with pytest.raises(OSError) as e:
+        stage.stage(src_dir, dest, splits=["train"], num_threads=1)
+    assert e.value.errno == errno.ENOSPC and dest in str(e.value)
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert shard_files(dest) == ["train-00000-of-00003"] and partial_files(dest) == []
+    assert read(os.path.join(dest, "train-00000-of-00003")) == contents["train-00000-of-00003"]

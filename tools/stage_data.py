@@ -5,7 +5,7 @@ r"""Copy TFRecord shards from the shared file system to node-local storage befor
         [--splits=train,validation] [--files=train-00000-of-01024,...] [--verify=sha256|size] \
         [--num_workers=W --worker_ranks=0-3 [--assignment=disjoint|full|coarse|medium_coarse|fine_grained|overlap] [--copies=C]] \
         [--config=configs/r50_32gpu.py [--config.data.assignment=...]] \
-        [--lock_timeout_s=3600] [--num_threads=4] [--progress_every_s=30]
+        [--lock_timeout_s=3600] [--num_threads=4] [--progress_every_s=30] [--read_attempts=4 --read_retry_delay_s=1]
 
 Run it once per node (or from every process: one copies, the others wait). Prints the staged
 directory on stdout, so a job script can do DATA_DIR=$(python tools/stage_data.py ...).

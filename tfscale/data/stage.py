@@ -1,7 +1,7 @@
 """Stage TFRecord shards from the shared file system to node-local storage before training.
 
     python tools/stage_data.py --src_dir=/lustre/imagenet/tfrecords [--dest_dir=$TMPDIR/tfscale_data] \
-        [--splits=train,validation] [--verify=sha256|size] \
+        [--splits=train,validation] [--verify=sha256|size] [--read_attempts=4 --read_retry_delay_s=1] \
         [--num_workers=8 --worker_ranks=0-3 [--assignment=coarse|... --copies=2]] \
         [--config=configs/r50_32gpu.py --config.data.assignment=...]   # splits and assignment from it
 
@@ -26,12 +26,22 @@ What makes it safe to call from every process of every node (and to re-run):
     so a waiter takes over from a crashed copier and finishes the job.
   * Nothing unverified under a final name. Each shard is written to a temp name in dest_dir, checked
     (size against the manifest's `bytes`, and with verify="sha256" the sha256 computed while copying,
-    so the source is read once) and only then renamed into place. A *source* that does not match its
-    manifest is an error: the shared copy is bad and is not staged.
+    so the source is read once) and only then renamed into place.
+  * A copy that does not match its manifest is made once more (a flaky read is not a bad shard);
+    a second mismatch is an error naming the shard, the expected and the observed sha256 (or size):
+    the shared copy is bad and is not staged.
+  * Transient read errors of the shared file system (EIO, ESTALE "stale file handle", EAGAIN,
+    ETIMEDOUT, ENOTCONN) are retried, each retry logged with the path and errno: `read_attempts`
+    tries of the same read (default 4), waiting `read_retry_delay_s` (default 1 s), doubled each time.
+    After the last one, an error names the path, the errno and the attempts. Other errors (ENOENT,
+    EACCES, ENOSPC writing dest_dir) fail at once, naming the file.
   * Resumable without re-hashing. `.tfscale-staged.json` in dest_dir records size, mtime_ns and
-    sha256 of each staged file. A file whose size and mtime still match its record is trusted; any
-    other file already present is hashed again and re-copied if it does not match.
-  * Free space is checked before the first byte is copied.
+    sha256 of each staged file, saved after each copy. A file whose size and mtime still match its
+    record is trusted; any other file already present is hashed again and re-copied if it does not
+    match. A node killed mid-copy leaves only temp files: the next run deletes them and copies what
+    is missing (a half-copied shard from its start).
+  * Free space is checked before the first byte is copied: too little is an error naming dest_dir,
+    the bytes needed and the bytes free.
   * Progress of long copies (bytes, files, MB/s): a bar on a terminal, a log line every
     `progress_every_s` seconds otherwise (batch jobs).
 Shards with a manifest (`manifest-{split}.json` written by tfscale's converter, or the older
@@ -57,7 +67,7 @@ from absl import app, flags, logging
 
 from tfscale import cli
 from tfscale.data import assignment, stage_copy
-from tfscale.data.stage_copy import BYTES_PER_MB, VERIFY_MODES
+from tfscale.data.stage_copy import BYTES_PER_MB, READ_ATTEMPTS, READ_RETRY_FIRST_DELAY_S, VERIFY_MODES, ReadRetry
 from tfscale.data.stage_plan import Readers, Shard, parse_ranks, plan
 from tfscale.data.stage_state import (LOCK_FILE, PARTIAL_PREFIX, SHARD_LIST_FILE, STATE_FILE, StageError,
                                       acquire_lock, load_state, read_shard_list, remove_partial_files,
@@ -103,7 +113,7 @@ def _check_args(src_dir: str, dest_dir: str, verify: str) -> None:
 
 def _stage_locked(src_dir: str, dest_dir: str, shards: list[Shard], manifests: list[str],
                   shard_lists: dict[str, list[str]], verify: str, num_threads: int,
-                  progress_every_s: float) -> tuple[int, int]:
+                  progress_every_s: float, read_retry: ReadRetry) -> tuple[int, int]:
     """The work of the lock holder; (files copied, bytes copied)."""
     stale = remove_partial_files(dest_dir)
     if stale:
@@ -141,7 +151,8 @@ def _stage_locked(src_dir: str, dest_dir: str, shards: list[Shard], manifests: l
 
     try:
         stage_copy.run_parallel(
-            lambda s: stage_copy.copy_verified(src_dir, dest_dir, s, sizes[s.name], verify, progress.add_bytes),
+            lambda s: stage_copy.copy_verified(src_dir, dest_dir, s, sizes[s.name], verify, progress.add_bytes,
+                                               read_retry),
             to_copy, num_threads, record_copy)
     finally:
         progress.close()
@@ -164,7 +175,8 @@ def _log_report(report: StageReport, src_dir: str) -> None:
 def stage(src_dir: str, dest_dir: str, *, splits: Iterable[str] = ("train", "validation"),
           files: list[str] | None = None, train_split: str | None = "train", readers: Readers | None = None,
           verify: str = "sha256", lock_timeout_s: float = 3600.0, num_threads: int = _DEFAULT_NUM_THREADS,
-          progress_every_s: float = _DEFAULT_PROGRESS_EVERY_S) -> StageReport:
+          progress_every_s: float = _DEFAULT_PROGRESS_EVERY_S, read_attempts: int = READ_ATTEMPTS,
+          read_retry_delay_s: float = READ_RETRY_FIRST_DELAY_S) -> StageReport:
     """Copies the shards a node needs from `src_dir` to `dest_dir` (node-local), verified; see the module doc.
 
     Args:
@@ -180,6 +192,8 @@ def stage(src_dir: str, dest_dir: str, *, splits: Iterable[str] = ("train", "val
       lock_timeout_s: how long a process waits for another one's copy before giving up with an error.
       num_threads: files copied (and hashed) at once.
       progress_every_s: without a terminal, a progress log line at most this often (seconds).
+      read_attempts: tries of a source read that fails transiently (EIO, ESTALE, ...) before giving up.
+      read_retry_delay_s: wait after the first failed try (seconds); doubled after each further one.
 
     Returns:
       A StageReport. Every process of a node may call this at once: one copies, the rest wait and
@@ -188,13 +202,14 @@ def stage(src_dir: str, dest_dir: str, *, splits: Iterable[str] = ("train", "val
     if isinstance(splits, str):
         splits = (splits,)
     _check_args(src_dir, dest_dir, verify)
+    read_retry = ReadRetry(read_attempts, read_retry_delay_s)
     shards, manifests, shard_lists = plan(src_dir, splits, files, train_split=train_split, readers=readers)
     os.makedirs(dest_dir, exist_ok=True)
     fd, lock_wait_s = acquire_lock(dest_dir, lock_timeout_s)
     try:
         start_s = time.monotonic()
         files_copied, bytes_copied = _stage_locked(src_dir, dest_dir, shards, manifests, shard_lists, verify,
-                                                   num_threads, progress_every_s)
+                                                   num_threads, progress_every_s, read_retry)
         seconds = time.monotonic() - start_s
     finally:
         os.close(fd)  # releases the flock: the next waiter goes
@@ -211,7 +226,8 @@ def stage(src_dir: str, dest_dir: str, *, splits: Iterable[str] = ("train", "val
 
 
 _FLAG_NAMES = ("src_dir", "dest_dir", "splits", "files", "train_split", "num_workers", "worker_ranks", "assignment",
-               "copies", "config", "verify", "lock_timeout_s", "num_threads", "progress_every_s")
+               "copies", "config", "verify", "lock_timeout_s", "num_threads", "progress_every_s", "read_attempts",
+               "read_retry_delay_s")
 # What --config decides (from config.data); giving one of these flags as well would be two answers.
 _CONFIG_DECIDES = ("splits", "train_split", "assignment", "copies")
 
@@ -241,6 +257,10 @@ def _define_flags() -> None:
     flags.DEFINE_integer("num_threads", _DEFAULT_NUM_THREADS, "Files copied at once.")
     flags.DEFINE_float("progress_every_s", _DEFAULT_PROGRESS_EVERY_S, "Without a terminal: seconds between "
                        "progress log lines.")
+    flags.DEFINE_integer("read_attempts", READ_ATTEMPTS, "Tries of a source read failing with a transient error "
+                         "(EIO, ESTALE, EAGAIN, ETIMEDOUT, ENOTCONN) before staging gives up.", lower_bound=1)
+    flags.DEFINE_float("read_retry_delay_s", READ_RETRY_FIRST_DELAY_S, "Seconds to wait after the first failed "
+                       "try of a read; doubled after each further one.", lower_bound=0.0)
     flags.mark_flags_as_required(["src_dir"])
     cli.make_key_flags(_FLAG_NAMES)
 
@@ -271,7 +291,8 @@ def _stage_from_flags(f: flags.FlagValues) -> None:
     splits, train_split, readers = _selection(f)
     report = stage(f.src_dir, f.dest_dir or os.path.join(default_stage_root(), "tfscale_data"), splits=splits,
                    files=f.files, train_split=train_split, readers=readers, verify=f.verify,
-                   lock_timeout_s=f.lock_timeout_s, num_threads=f.num_threads, progress_every_s=f.progress_every_s)
+                   lock_timeout_s=f.lock_timeout_s, num_threads=f.num_threads, progress_every_s=f.progress_every_s,
+                   read_attempts=f.read_attempts, read_retry_delay_s=f.read_retry_delay_s)
     print(report.dest_dir)  # stdout: for job scripts, DATA_DIR=$(python tools/stage_data.py ...)
     sys.stdout.flush()
 
