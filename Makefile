@@ -11,8 +11,10 @@ comma := ,
 EXTRAS := $(if $(TF_EXTRA),$(TF_EXTRA)$(comma))test
 
 HOROVOD_STAMP := $(VENV)/.installed-horovod
+# What `mpicc` is here ("none" without one): Horovod is rebuilt when it changes (OpenMPI installed, removed, updated).
+MPI_STATE := $(VENV)/.mpi-state
 
-.PHONY: venv horovod slurm fashion-mnist demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
+.PHONY: venv horovod mpi slurm fashion-mnist FORCE demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
 
 venv: $(STAMP)
 
@@ -26,9 +28,26 @@ $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 # Horovod 0.28.1 from source against the installed TensorFlow (~3 min on 2 cores); see README 'Horovod'.
 horovod: $(HOROVOD_STAMP)
 
-$(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh
+$(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh $(MPI_STATE)
 	PYTHON=$(PY) tools/install_horovod.sh
 	touch $@
+
+# Rewritten only when its content changes, so that Horovod is rebuilt only then.
+$(MPI_STATE): FORCE | $(STAMP)
+	@state=$$(command -v mpicc > /dev/null && mpicc --showme:version 2> /dev/null || echo none); \
+	if [ "$$(cat $@ 2> /dev/null)" != "$$state" ]; then echo "$$state" > $@; fi
+
+FORCE:
+
+# Debian's OpenMPI (4.1, with PMIx: Slurm's srun --mpi=pmix plugin loads libpmix from libpmix-dev, a dependency
+# of libopenmpi-dev) so that `make horovod` builds Horovod with MPI as well as Gloo and the mpirun / srun --mpi=pmix
+# tests run. Not root / no apt-get: says so and goes on; Horovod is built with Gloo only and those tests are skipped.
+mpi:
+	@if command -v mpicc > /dev/null && command -v mpirun > /dev/null; then echo "mpi: $$(mpirun --version | head -1)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev > /dev/null) \
+	  || echo "make mpi: apt-get failed; Horovod is built without MPI and the MPI tests will be skipped"; \
+	else echo "make mpi: needs root and apt-get (apt-get install openmpi-bin libopenmpi-dev); Horovod is built without MPI"; fi
 
 # Debian's Slurm + munge for tests/test_slurm.py (apt-get install only; the tests start private daemons).
 # Not root / no apt-get: says so and goes on; those tests are then reported as skipped with the reason.
@@ -48,13 +67,13 @@ fashion-mnist:
 demo: venv
 	$(PY) tools/digits_demo.py --workdir=runs/demo
 
-test: venv horovod slurm fashion-mnist
+test: venv mpi horovod slurm fashion-mnist
 	$(PY) -m pytest -q --durations=20
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
-test-slow: venv horovod slurm fashion-mnist
+test-slow: venv mpi horovod slurm fashion-mnist
 	$(PY) -m pytest -q -m slow
 
 # tfscale's training input vs a plain Model-Garden-style pipeline, the decode-only ceiling and Keras'

@@ -3,12 +3,12 @@ tools/slurm_testbed.sh): scripts from tools/make_sbatch.py submitted with sbatch
 
 Covered: MWMS (TF_CONFIG derived from Slurm's environment by tfscale), MWMS steps that use part of a
 two-node allocation (two at once, one per node: the testbed emulates a second node on this host),
-Horovod over Gloo launched by horovodrun inside the job, a study as a job array (one task per run),
+Horovod over Gloo launched by horovodrun inside the job, Horovod over MPI launched by `srun --mpi=pmix`
+(Debian's OpenMPI 4.1 + PMIx 4.2; also across the two-node partition), a study as a job array (one task per run),
 preemption (SIGTERM to the batch shell as `--signal=B:TERM@T` delivers it ->
 forwarded to the tasks -> checkpoint, exit 75 -> `scontrol requeue` -> resumed run completes), and
 staging TFRecord shards to a node-local directory before a TFRecord recipe trains on the copy. Not coverable here: GPUs
-(--gpus-per-node lines are checked in test_make_sbatch.py only) and `srun --mpi=pmix` (this Horovod is
-built without MPI and Debian's Slurm plugin set is not exercised with PMIx).
+(--gpus-per-node lines are checked in test_make_sbatch.py only).
 
 Without Slurm, or without root to install and run it, every test here is skipped with the reason.
 """
@@ -404,6 +404,64 @@ def test_horovodrun_sigterm_requeues_and_resumes(slurm, tmp_path):
                          "--config.train.epochs=10", "--config.train.log_every_steps=5")
     job_id = slurm.submit(script)
     assert_preempted_then_resumed(slurm, tmp_path, job_id, total_steps=200)
+
+
+def horovod_with_mpi_or_skip(slurm) -> None:
+    """Skips unless Horovod is built with MPI and this Slurm has the pmix plugin."""
+    hvd = pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
+    if not hvd.mpi_built():
+        pytest.skip("Horovod is built without MPI: `make mpi` (apt-get install openmpi-bin libopenmpi-dev), "
+                    "then `make horovod`")
+    if "pmix" not in slurm.run("srun", "--mpi=list").split():
+        pytest.skip("this Slurm has no pmix MPI plugin (`srun --mpi=list`)")
+
+
+@pytest.mark.slow
+def test_horovod_srun_pmix_job_two_ranks(slurm, tmp_path):
+    """The template's default launcher: one Horovod rank per Slurm task, MPI wired up by PMIx, no horovodrun."""
+    horovod_with_mpi_or_skip(slurm)
+    job_id = slurm.submit(make_script(tmp_path, "horovod", *SHORT))  # --launcher=srun-pmix is the default
+    text = assert_completed_once(slurm, tmp_path, job_id)
+    result = summary(tmp_path)
+    assert result["steps"] == 20 and result["num_workers"] == 2 and result["num_replicas"] == 2
+    assert logged_steps(tmp_path) == [5, 10, 15, 20]
+    assert "launching 2 Horovod ranks: srun --mpi=pmix " in text
+    assert "horovod: 2 ranks, MPI controller" in text and "rank=0/2" in text and "rank=1/2" in text
+
+
+@pytest.mark.slow
+def test_horovod_srun_pmix_sigterm_requeues_and_resumes(slurm, tmp_path):
+    """The batch shell's SIGTERM reaches every rank (scancel --signal=TERM): both save one step and exit 75,
+    srun passes 75 on, the job requeues itself and the rerun resumes."""
+    horovod_with_mpi_or_skip(slurm)
+    script = make_script(tmp_path, "horovod", "--config.train.epochs=10", "--config.train.log_every_steps=5")
+    job_id = slurm.submit(script)
+    stopped_at = assert_preempted_then_resumed(slurm, tmp_path, job_id, total_steps=200)
+    text = job_log(tmp_path, job_id)
+    assert "training step exited with 75" in text
+    assert text.count(f"checkpoint saved at step {stopped_at};") == 2, text[-5000:]  # both ranks, the same step
+
+
+PMIX_PROBE = """
+import os
+import tensorflow as tf
+import horovod.tensorflow as hvd
+hvd.init()
+total = float(hvd.allreduce(tf.constant(float(hvd.rank() + 1)), op=hvd.Sum))
+print(f"rank {hvd.rank()}/{hvd.size()} on {os.environ['SLURMD_NODENAME']} sum {total:g}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_srun_pmix_spans_the_two_node_partition(slurm):
+    """Each emulated node's slurmd runs its own PMIx server (its own TmpFS, see tools/slurm_testbed.sh)."""
+    horovod_with_mpi_or_skip(slurm)
+    nodes = pair_partition_or_skip(slurm)
+    out = slurm.run("srun", "--partition=pair", "--nodes=2", "--ntasks=2", "--mpi=pmix", sys.executable, "-c",
+                    PMIX_PROBE, timeout_s=120)
+    found = sorted(re.findall(r"^rank (\d)/(\d) on (\S+) sum (\S+)$", out, re.MULTILINE))
+    assert [(rank, size, total) for rank, size, _, total in found] == [("0", "2", "3"), ("1", "2", "3")], out
+    assert sorted(node for _, _, node, _ in found) == sorted(nodes), out  # one rank on each node
 
 
 # ------------------------------------------------------------------------------------------ studies

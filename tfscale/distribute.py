@@ -442,13 +442,37 @@ def preflight_horovod(hvd) -> None:
         raise RuntimeError(f"pre-flight all-reduce counted {total} Horovod ranks, expected {hvd.size()}")
 
 
+# Where a launcher says how many ranks it started, first match wins: horovodrun / tfscale.launch,
+# mpirun (also inside a Slurm job, whose SLURM_* the ranks inherit), an srun step.
+_LAUNCHER_SIZE_KEYS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def check_horovod_size(size: int, env: dict, controller: str) -> None:
+    """Fails when Horovod sees fewer ranks than the launcher started.
+
+    The silent way Horovod breaks under a cluster launcher: `srun -n 2` of a Gloo-only Horovod (or
+    of an MPI one without `--mpi=pmix`) gives every task a job of its own (rank 0 of 1), and each
+    would train alone and write the same checkpoints.
+    """
+    found = next(((key, env[key]) for key in _LAUNCHER_SIZE_KEYS if key in env), None)
+    if found is None or int(found[1]) == size:
+        return
+    key, value = found
+    hint = ("Horovod was built without MPI (`horovodrun --check-build`): install OpenMPI (mpicc on PATH), "
+            "rerun `make horovod`" if controller != "MPI" else
+            "start the ranks with `srun --mpi=pmix` (the MPI plugin of this Slurm that OpenMPI speaks)")
+    raise RuntimeError(f"{key}={value} processes were started but Horovod ({controller} controller) sees {size} "
+                       f"rank(s): they would each train alone. {hint}; or use horovodrun --gloo "
+                       "(slurm/horovod.sbatch LAUNCHER=horovodrun-gloo)")
+
+
 def _init_horovod(dist_cfg: ml_collections.ConfigDict, env: dict) -> Any:
     """horovod.tensorflow, initialised with the config's knobs, this rank's GPU pinned and every rank answering."""
     hvd = import_horovod()
     knobs = _horovod_environment(dist_cfg, env)
     os.environ.update(knobs)
     timeout_s = knobs.get("HOROVOD_GLOO_TIMEOUT_SECONDS", env.get("HOROVOD_GLOO_TIMEOUT_SECONDS"))
-    if timeout_s:
+    if timeout_s and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:  # a Gloo launcher (horovodrun --gloo, tfscale.launch)
         # Gloo aborts the process (SIGABRT) naming the missing rank numbers; this line says why.
         logging.info("horovod: waiting up to %s s for every rank at the rendezvous (distribute.connect_timeout_s)", timeout_s)
     if _wants_process_sets(dist_cfg):
@@ -456,6 +480,10 @@ def _init_horovod(dist_cfg: ml_collections.ConfigDict, env: dict) -> Any:
         hvd.init(process_sets="dynamic")
     else:
         hvd.init()
+    controller = "MPI" if hvd.mpi_enabled() else "Gloo"
+    check_horovod_size(hvd.size(), env, controller)
+    if hvd.rank() == 0:
+        logging.info("horovod: %d ranks, %s controller", hvd.size(), controller)
     _pin_gpu(hvd.local_rank())
     preflight_horovod(hvd)
     return hvd

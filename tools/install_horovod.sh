@@ -12,6 +12,12 @@
 #   CPU-only host (default here): Gloo for CPU tensors.
 #   Cluster: HOROVOD_GPU_OPERATIONS=NCCL (and HOROVOD_NCCL_HOME if NCCL is not in CUDA's tree);
 #            MPI is used when `mpicc` is on PATH (HOROVOD_WITH_MPI=1), Gloo stays available.
+#   MPI + Gloo (e.g. Debian's openmpi-bin libopenmpi-dev): the launcher picks at run time. mpirun and
+#            srun --mpi=pmix ranks use MPI; horovodrun --gloo and tfscale.launch set
+#            HOROVOD_CONTROLLER=gloo HOROVOD_CPU_OPERATIONS=gloo. (0.28.1's build-time
+#            HOROVOD_CPU_OPERATIONS default never takes effect: CMake defines it unquoted, so the C++
+#            `#if ... == 'G'` is false. Do not export HOROVOD_CPU_OPERATIONS=gloo to mpirun ranks:
+#            Gloo operations under the MPI controller crash, signal 11.)
 set -euo pipefail
 
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -56,3 +62,7 @@ MAKEFLAGS="-j$(nproc)" "$PYTHON" -m pip install --quiet --no-build-isolation --n
   -c "$CONSTRAINTS" "$src"
 
 "$(dirname "$PYTHON")/horovodrun" --check-build
+if [ "${HOROVOD_WITH_MPI:-}" = 1 ] && ! "$PYTHON" -c 'import horovod.tensorflow as hvd, sys; sys.exit(not hvd.mpi_built())' 2> /dev/null; then
+  echo "install_horovod: HOROVOD_WITH_MPI=1 but this Horovod has no MPI; see the build output above" >&2
+  exit 1
+fi

@@ -99,7 +99,7 @@ write_slurm_conf() {
   local dir=$1 host=$2 ctld_port=$3 slurmd_port=$4 name
   mkdir -p "$dir/state" "$dir/log"
   for name in $(node_names "$host"); do
-    mkdir -p "$dir/spool/$name"
+    mkdir -p "$dir/spool/$name" "$dir/tmp/$name"
   done
   cat > "$dir/slurm.conf" << EOF
 # Private single-host Slurm written by tools/slurm_testbed.sh; see that script.
@@ -119,6 +119,12 @@ SlurmctldPidFile=$dir/slurmctld.pid
 SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
 SlurmdLogFile=$dir/log/slurmd-%n.log
+# Per node and per testbed: srun --mpi=pmix creates its PMIx client directory
+# TmpFS/spmix_appdir_<uid>_<job>.<step> there. With the default /tmp the two nodes of this host (and
+# two testbeds, whose job ids both start at 1) would create the same one and the step fails to
+# launch ("Cannot create client cli tmpdir ... File exists"). PMIxCliTmpDirBase (mpi.conf) would
+# not do: it does not expand %n.
+TmpFS=$dir/tmp/%n
 # No cgroups or systemd here: track processes by parent pid, bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -130,6 +136,7 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$dir/log/jobcomp.txt
 MailProg=/bin/true
+# Steps choose their PMI: srun --mpi=pmix (Debian's OpenMPI 4.1 speaks PMIx only; pmi2 fails in MPI_Init).
 MpiDefault=none
 ReturnToService=2
 SchedulerType=sched/backfill

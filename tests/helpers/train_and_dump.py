@@ -5,7 +5,7 @@
 Every worker writes its own file (and WEIGHTS_init.npz before the first step, WEIGHTS_steps.json: a digest of
 its weights after every step), so tests can compare the weights each worker ends up with
 (the chief's checkpoint alone cannot show that the workers agree). `{rank}` in WEIGHTS.npz becomes the
-Horovod rank, for launchers (horovodrun, mpirun) that start every rank with the same arguments.
+Horovod rank, for launchers (horovodrun, mpirun, srun) that start every rank with the same arguments.
 `--freeze_bn` (first after WEIGHTS.npz) trains with BatchNorm frozen: no batch-size dependence left,
 so runs that split a batch differently (gradient accumulation) must compute the same update.
 
@@ -117,14 +117,24 @@ def build_model_with_frozen_bn(cfg, build_model=engine.build_model):
     return model
 
 
+def launcher_rank(env) -> str:
+    """This process's rank as its launcher numbered it: horovodrun / tfscale.launch, mpirun, an MWMS TF_CONFIG,
+    then srun (`srun --mpi=pmix` tasks get PMIX_RANK and SLURM_PROCID, no OMPI_*)."""
+    for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
+        if key in env:
+            return env[key]
+    if "TF_CONFIG" in env:
+        return str(json.loads(env["TF_CONFIG"]).get("task", {}).get("index", 0))
+    return env.get("PMIX_RANK", env.get("SLURM_PROCID", "0"))
+
+
 def main(cfg, workdir):
     faults = [Faults(int(RANK), **FAULTS)] if FAULTS or HANG_AT else []
     train.main(cfg, workdir, extra_callbacks=[DumpWeights(OUTPUT), *faults])  # SIGTERM: exit code 75, as the CLI
 
 
 if __name__ == "__main__":
-    TASK = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)  # MWMS via tfscale.launch
-    RANK = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", str(TASK)))
+    RANK = launcher_rank(os.environ)
     OUTPUT = sys.argv.pop(1).replace("{rank}", RANK)
     FAULTS = pop_fault_options(sys.argv)
     HANG_AT = pop_hang_at(sys.argv)
