@@ -35,6 +35,9 @@ LOOPBACK = "127.0.0.1"
 BACKENDS = ("mwms", "horovod")
 HOROVOD_MISSING = f"backend horovod needs Horovod: {HOROVOD_INSTALL_HINT}"
 USAGE_EXIT_CODE = 2  # argparse's convention for usage errors
+# A worker's exit code for "the cluster did not come up" (sysexits EX_UNAVAILABLE): the value of
+# tfscale.distribute.EXIT_CLUSTER_UNAVAILABLE, which the launcher cannot import (it imports TensorFlow).
+EXIT_CLUSTER_UNAVAILABLE = 69
 
 
 class LaunchError(RuntimeError):
@@ -239,7 +242,11 @@ def launch(
                 f"{shlex.join([sys.executable, *argv])}")
             envs = [_child_env(base_env, worker_env(rank, num_workers, endpoint, backend, threads), backend)
                     for rank in range(num_workers)]
-            return run_workers(argv, envs, grace_period_s, signals, out, err)
+            code = run_workers(argv, envs, grace_period_s, signals, out, err)
+            if code == EXIT_CLUSTER_UNAVAILABLE:
+                say(f"exit code {code}: the cluster did not come up (EX_UNAVAILABLE); the workers' "
+                    "'tfscale pre-flight:' lines above name the workers, ports or host names at fault")
+            return code
         finally:
             if rendezvous:
                 rendezvous.stop()
