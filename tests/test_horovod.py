@@ -60,12 +60,8 @@ def mwms_two_workers(tmp_path_factory):
     return weights(root / "w0.npz"), logged_steps(str(root / "run")), eval_rows[-1]
 
 
-@pytest.mark.slow
-def test_horovod_ranks_agree_and_match_mwms(tmp_path, mwms_two_workers):
-    root = tmp_path
-    command = launch_command(2, "horovod", DRIVER, str(root / "w{rank}.npz"), *SHORT, f"--workdir={root / 'run'}",
-                             "--config.distribute.backend=horovod")
-    assert run_logged(command, root / "launch.log") == 0, open(root / "launch.log").read()[-4000:]
+def assert_ranks_agree_and_match_mwms(root, mwms_two_workers):
+    """Ranks 0 and 1 of a Horovod run in `root` (w0.npz, w1.npz, run/) equal each other and the MWMS run."""
     rank0, rank1 = weights(root / "w0.npz"), weights(root / "w1.npz")
     # Each rank trained on its own half of every global batch; the gradient average keeps them equal.
     assert_weights_close(rank0, rank1, rtol=0, atol=0)
@@ -85,6 +81,15 @@ def test_horovod_ranks_agree_and_match_mwms(tmp_path, mwms_two_workers):
     eval_rows = [r for r in map(json.loads, open(root / "run" / "metrics.jsonl")) if "eval_top1" in r]
     assert eval_rows[-1]["eval_examples"] == 500
     assert eval_rows[-1]["eval_loss"] == pytest.approx(mwms_eval["eval_loss"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_horovod_ranks_agree_and_match_mwms(tmp_path, mwms_two_workers):
+    root = tmp_path
+    command = launch_command(2, "horovod", DRIVER, str(root / "w{rank}.npz"), *SHORT, f"--workdir={root / 'run'}",
+                             "--config.distribute.backend=horovod")
+    assert run_logged(command, root / "launch.log") == 0, open(root / "launch.log").read()[-4000:]
+    assert_ranks_agree_and_match_mwms(root, mwms_two_workers)
     log = open(root / "launch.log").read()
     assert "backend=horovod replicas=2" in log and "rank=1/2" in log
     # Rank 0 alone writes checkpoints and prints progress.

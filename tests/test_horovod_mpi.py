@@ -18,11 +18,10 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 from conftest import REPO
-from test_horovod import SHORT, mwms_two_workers  # noqa: F401  (a fixture: the same job under MWMS)
-from test_multiworker import DRIVER, assert_weights_close, logged_steps, quiet_env, weights
+from test_horovod import SHORT, assert_ranks_agree_and_match_mwms, mwms_two_workers  # noqa: F401  (a fixture)
+from test_multiworker import DRIVER, logged_steps, quiet_env
 
 from tfscale import distribute
 
@@ -87,20 +86,8 @@ def test_mpirun_ranks_agree_and_match_mwms(tmp_path, mwms_two_workers):  # noqa:
     log = open(log_path).read()
     assert "horovod: 2 ranks, MPI controller" in log and "rank=1/2" in log
     assert "at the rendezvous" not in log  # no Gloo rendezvous under mpirun
-    rank0, rank1 = weights(tmp_path / "w0.npz"), weights(tmp_path / "w1.npz")
-    assert_weights_close(rank0, rank1, rtol=0, atol=0)
-    moved = max(np.abs(w - w0).max() for w, w0 in zip(rank0, weights(tmp_path / "w0_init.npz")))
-    assert moved > 5e-3
     # MPI's all-reduce, Gloo's (tests/test_horovod.py) and MWMS's agree up to float summation order.
-    mwms_weights, mwms_rows, mwms_eval = mwms_two_workers
-    assert_weights_close(rank0, mwms_weights, rtol=2e-3, atol=2e-4)
-    rows = logged_steps(str(tmp_path / "run"))
-    assert [r["step"] for r in rows] == [r["step"] for r in mwms_rows] == [5, 10]
-    for ours, ref in zip(rows, mwms_rows):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4)
-    eval_rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "eval_top1" in r]
-    assert eval_rows[-1]["eval_examples"] == 500
-    assert eval_rows[-1]["eval_loss"] == pytest.approx(mwms_eval["eval_loss"], rel=1e-3)
+    assert_ranks_agree_and_match_mwms(tmp_path, mwms_two_workers)
     assert json.load(open(tmp_path / "run" / "summary.json"))["num_workers"] == 2
 
 

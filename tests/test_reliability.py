@@ -408,7 +408,7 @@ def shards_with_bad_images(tmp_path_factory):
 
 
 def on_shards(data, data_dir, *extra):
-    return [f"--config.data.dataset=tfrecord", f"--config.data.data_dir={data_dir}", "--config.data.label_offset=1",
+    return ["--config.data.dataset=tfrecord", f"--config.data.data_dir={data_dir}", "--config.data.label_offset=1",
             f"--config.data.num_train_examples={data['num_train']}", f"--config.data.num_eval_examples={data['num_eval']}",
             "--config.data.num_classes=3", "--config.data.global_batch_size=8", "--config.data.shuffle_buffer=4",
             "--config.train.epochs=3", "--config.train.log_every_steps=3", "--config.train.eval_every_epochs=3",
