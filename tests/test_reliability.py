@@ -428,11 +428,12 @@ def test_corrupt_train_image_stops_naming_shard_and_record_or_is_skipped_and_cou
                      "--config.data.skip_corrupt_images=True")
     assert skipped.returncode == 0, skipped.stdout[-3000:]
     final = summary(tmp_path / "run")
-    # Worker 1 reads shard 1 once per pass, 3 passes at least: each bad record counted every time (records
-    # prepared ahead of the last step count too, several passes of so small a shard).
-    assert final["steps"] == 3 * data["num_train"] // 8 and final["corrupt_images_skipped"] >= 2 * 3
+    # Worker 1 reads shard 1 once per pass, 3 passes at least: the record that is no image fails every
+    # time; the JPEG cut short only when the step's random crop reaches below the cut (records prepared
+    # ahead of the last step count too, several passes of so small a shard).
+    assert final["steps"] == 3 * data["num_train"] // 8 and final["corrupt_images_skipped"] >= 3
     counts = [r["corrupt_images_skipped"] for r in rows(tmp_path / "run")]
-    assert counts == sorted(counts) and counts[0] >= 2 and "corrupt image(s) skipped so far" in skipped.stdout
+    assert counts == sorted(counts) and counts[0] >= 1 and "corrupt image(s) skipped so far" in skipped.stdout
     assert final["eval_top1"] >= 0  # eval of every validation image (CMYK and PNG among them) ran
 
 

@@ -416,13 +416,14 @@ def explain_read_error(err: tf.errors.OpError, data_cfg: ml_collections.ConfigDi
         return None
     read = list_shards(data_dir, split)
     if split == data_cfg.eval_split:
-        parse, to_example = _parse_fn(data_cfg), _eval_example_fn(data_cfg, data_dir)
-        prepare = lambda record: to_example(*parse(record))  # noqa: E731
         advice = "Evaluation never skips an image (its counts are exact): re-convert or remove that record"
     else:
         read = worker_files(read, data_cfg, rank, num_workers)
-        prepare = _train_example_fn(data_cfg, data_dir)
         advice = ("Re-convert that shard, or skip such records with --config.data.skip_corrupt_images=True "
                   "(counted in metrics.jsonl and summary.json)")
+    parse = _parse_fn(data_cfg)
+    # The whole image, not the step's crop: a JPEG cut short decodes in a random window above the cut,
+    # so the crop that failed may not fail again, and the scan must not depend on that luck.
+    decode_all = lambda record: preprocess.decode_full(parse(record)[0])  # noqa: E731
     present = [p for p in read if not is_staged_copy(data_dir) or os.path.exists(p)]  # a node's partial copy
-    return faults.explain(err, present, prepare, advice)
+    return faults.explain(err, present, decode_all, advice)
