@@ -40,11 +40,15 @@ class WriteError(OSError):
     """A run's file could not be written (disk full, quota, permissions); names the path and the free space."""
 
 
+def one_line(err: BaseException) -> str:
+    """`err`'s message on one line; TensorFlow's start with the op's internal function name, dropped."""
+    text = " ".join(str(getattr(err, "message", err)).split())
+    return re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", text)
+
+
 def write_error(path: str, err: BaseException) -> WriteError:
     """A WriteError for `path` that says why (the first line of `err`) and how much space is left there."""
-    # TensorFlow's messages start with the op's internal function name: not the user's business.
-    text = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", " ".join(str(err).split()))
-    reason = getattr(err, "strerror", None) or text[:300] or type(err).__name__
+    reason = getattr(err, "strerror", None) or one_line(err)[:300] or type(err).__name__
     directory = os.path.dirname(os.path.abspath(path))
     while directory and not os.path.exists(directory):
         directory = os.path.dirname(directory)

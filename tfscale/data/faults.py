@@ -24,6 +24,8 @@ from typing import Callable
 import tensorflow as tf
 from absl import logging
 
+from tfscale import io as tfio
+
 
 class CorruptDataError(ValueError):
     """A shard or a record in it cannot be read; the message names the file (and record)."""
@@ -39,12 +41,6 @@ _MAX_NAMED = 5  # bad records named in one message (the scan stops there)
 
 def is_decode_error(err: tf.errors.OpError) -> bool:
     return isinstance(err, tf.errors.InvalidArgumentError) and any(w in err.message for w in _DECODE_ERROR_WORDS)
-
-
-def short_message(err: BaseException) -> str:
-    """One line of `err` without TensorFlow's internal function name."""
-    text = " ".join(str(getattr(err, "message", err)).split())
-    return text.split("}} ", 1)[1] if text.startswith("{{function_node") and "}} " in text else text
 
 
 # ------------------------------------------------------------------------------------ truncated shards
@@ -116,7 +112,7 @@ def _reason(path: str, index: int, prepare: Callable) -> str:
     try:
         prepare(record)
     except tf.errors.OpError as err:
-        return short_message(err)
+        return tfio.one_line(err)
     return "decodes when read alone"
 
 
@@ -171,11 +167,11 @@ def explain(err: tf.errors.OpError, paths: list[str], prepare: Callable, what: s
     """
     if isinstance(err, tf.errors.DataLossError):
         bad = truncated_shards(paths) or [f"no truncated shard found among the {len(paths)} read"]
-        return CorruptDataError(f"corrupt TFRecord data ({short_message(err)}): {'; '.join(bad)}")
+        return CorruptDataError(f"corrupt TFRecord data ({tfio.one_line(err)}): {'; '.join(bad)}")
     if not is_decode_error(err):
         return None
     bad = find_undecodable(paths, prepare)
     if not bad:
-        return CorruptDataError(f"a record did not decode ({short_message(err)}), yet a scan of the "
+        return CorruptDataError(f"a record did not decode ({tfio.one_line(err)}), yet a scan of the "
                                 f"{len(paths)} shards read found none that fails again: {what}")
     return CorruptDataError(f"corrupt image: {'; '.join(bad)}. {what}")
