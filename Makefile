@@ -11,10 +11,11 @@ comma := ,
 EXTRAS := $(if $(TF_EXTRA),$(TF_EXTRA)$(comma))test
 
 HOROVOD_STAMP := $(VENV)/.installed-horovod
+DALI_STAMP := $(VENV)/.installed-dali
 # What `mpicc` is here ("none" without one): Horovod is rebuilt when it changes (OpenMPI installed, removed, updated).
 MPI_STATE := $(VENV)/.mpi-state
 
-.PHONY: venv horovod mpi slurm fashion-mnist FORCE demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
+.PHONY: venv horovod dali mpi slurm fashion-mnist FORCE demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
 
 venv: $(STAMP)
 
@@ -30,6 +31,17 @@ horovod: $(HOROVOD_STAMP)
 
 $(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh $(MPI_STATE)
 	PYTHON=$(PY) tools/install_horovod.sh
+	touch $@
+
+# NVIDIA DALI for data.loader=dali (docs/data.md 'DALI'): tfscale[dali] (~500 MB of CUDA 12 wheels, which also
+# run CPU-only), then its TensorFlow plugin, an sdist compiled against the installed TensorFlow (~1 min). Its build
+# finds TensorFlow only without build isolation, so the build tools come from the venv (pinned in the constraints).
+dali: $(DALI_STAMP)
+
+$(DALI_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c requirements/constraints-cpu.txt -e ".[dali]" wheel
+	$(PY) -m pip install --quiet --no-build-isolation -c requirements/constraints-cpu.txt nvidia-dali-tf-plugin-cuda120
+	$(PY) -c "import nvidia.dali.plugin.tf" 2> /dev/null && echo "dali: $$($(PY) -c 'import nvidia.dali; print(nvidia.dali.__version__)') with its TensorFlow plugin"
 	touch $@
 
 # Rewritten only when its content changes, so that Horovod is rebuilt only then.
@@ -67,18 +79,19 @@ fashion-mnist:
 demo: venv
 	$(PY) tools/digits_demo.py --workdir=runs/demo
 
-test: venv mpi horovod slurm fashion-mnist
+test: venv mpi horovod dali slurm fashion-mnist
 	$(PY) -m pytest -q --durations=20
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
-test-slow: venv mpi horovod slurm fashion-mnist
+test-slow: venv mpi horovod dali slurm fashion-mnist
 	$(PY) -m pytest -q -m slow
 
-# tfscale's training input vs a plain Model-Garden-style pipeline, the decode-only ceiling and Keras'
-# image_dataset_from_directory, on real-photo JPEGs (batch 64, 224 px), rounds interleaved.
-bench-input: venv
+# tfscale's training input (tf.data, and DALI when `make dali` installed it) vs a plain Model-Garden-style pipeline,
+# the decode-only ceiling and Keras' image_dataset_from_directory, on real-photo JPEGs (batch 64, 224 px), rounds
+# interleaved.
+bench-input: venv dali
 	test -d runs/photos || $(PY) tools/make_photo_tree.py runs/photos --classes 10 --per_class 200
 	grep -qs '"image_format"' runs/photo_shards/manifest-train.json || \
 	  $(PY) tools/tfrecord_convert.py --input_dir=runs/photos --output_dir=runs/photo_shards --split=train --num_shards=16

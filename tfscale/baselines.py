@@ -5,7 +5,8 @@ candidate's median, so a slow moment of the host hits all candidates alike; rati
 to quote, not the absolute rates of a shared 2-core machine.
 
   * `compare_input_pipelines` (benchmark.mode=input): tfscale's training input pipeline (as
-      configured, and without its record shuffle buffer) vs
+      configured, and without its record shuffle buffer), with tf.data and, when DALI is installed
+      (`make dali`), with DALI (data.loader=dali, decoding where data.dali_decode says), vs
       (m) a plain Model-Garden-style pipeline on the same shards: interleave -> one map (parse,
           random-resized-crop window, decode_and_crop_jpeg, resize, flip) -> batch -> prefetch, no
           shuffle buffer, no label checks; the same per-image ops as tfscale, so the ratio measures
@@ -77,9 +78,19 @@ def dataset_images_per_sec(ds: tf.data.Dataset, *, warmup_batches: int, timed_ba
     return num_images / (time.perf_counter() - start)
 
 
-def tfscale_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
-    """Exactly the training pipeline, for one worker."""
+def tfscale_input(cfg: ml_collections.ConfigDict, loader: str = "tfdata") -> tf.data.Dataset:
+    """Exactly the training pipeline, for one worker, with `loader` reading the shards."""
+    cfg = copy.deepcopy(cfg)
+    cfg.data.loader = loader
     return pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0)(tf.distribute.InputContext())
+
+
+def dali_installed() -> bool:
+    try:
+        from tfscale.data import dali  # noqa: F401  (the import is the test)
+    except ImportError:
+        return False
+    return True
 
 
 def decode_only_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
@@ -179,6 +190,8 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
     unshuffled.data.shuffle_buffer = 1
     makers = {"tfscale": lambda: tfscale_input(cfg), "tfscale_no_shuffle": lambda: tfscale_input(unshuffled),
               "model_garden": lambda: model_garden_input(cfg), "decode_only": lambda: decode_only_input(cfg)}
+    if dali_installed():
+        makers["tfscale_dali"] = lambda: tfscale_input(cfg, loader="dali")
     if bench.image_dir:
         makers["keras_baseline"] = lambda: keras_baseline_input(cfg, bench.image_dir)
 
@@ -190,6 +203,11 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
     result["tfscale_vs_model_garden"] = round(result["tfscale_images_per_sec"] / result["model_garden_images_per_sec"], 3)
     result["tfscale_no_shuffle_vs_model_garden"] = round(
         result["tfscale_no_shuffle_images_per_sec"] / result["model_garden_images_per_sec"], 3)
+    if dali_installed():
+        from tfscale.data import dali
+
+        result["tfscale_dali_vs_tfdata"] = round(result["tfscale_dali_images_per_sec"] / result["tfscale_images_per_sec"], 3)
+        result["dali_decode"] = dali.decode_device(cfg.data)
     result.update(global_batch_size=cfg.data.global_batch_size, image_size=cfg.data.image_size,
                   shuffle_buffer=cfg.data.shuffle_buffer,
                   num_batches=bench.num_batches, num_warmup_batches=bench.num_warmup_batches)
@@ -203,6 +221,7 @@ def print_input_report(result: dict) -> None:
     rows = (
         ("tfscale", f"tfscale train pipeline (shuffle_buffer={result['shuffle_buffer']})"),
         ("tfscale_no_shuffle", "tfscale train pipeline without record shuffle"),
+        ("tfscale_dali", f"tfscale train pipeline, DALI ({result.get('dali_decode')} decoding)"),
         ("model_garden", "Model-Garden-style (same per-image ops, no extras)"),
         ("decode_only", "decode-only ceiling (full decode_jpeg)"),
         ("keras_baseline", "keras image_dataset_from_directory + RandomCrop/Flip"),
@@ -212,6 +231,8 @@ def print_input_report(result: dict) -> None:
             theirs = result[f"{key}_images_per_sec"]
             ratio = "" if key == "tfscale" else f"   tfscale = {ours / theirs:.2f}x"
             print(f"  {label:52s} {theirs:9.1f}{ratio}")
+    if "tfscale_dali_vs_tfdata" not in result:
+        print("  DALI: not installed (make dali)")
     print(f"  vs Model-Garden-style: tfscale {result['tfscale_vs_model_garden']:.3f}x, without record shuffle "
           f"{result['tfscale_no_shuffle_vs_model_garden']:.3f}x")
 

@@ -195,7 +195,7 @@ def _benchmark_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     if cfg.benchmark.mode == "synthetic":
         if cfg.data.dataset != "synthetic":
             logging.info("benchmark.mode=synthetic: random images instead of config.data.dataset=%r", cfg.data.dataset)
-        cfg.data.dataset = "synthetic"
+        cfg.data.dataset, cfg.data.loader = "synthetic", "tfdata"
         cfg.data.data_dir = cfg.data.stage_dir = cfg.data.tfds_name = ""
     return cfg
 
@@ -234,7 +234,7 @@ def _batch_source(cfg, cluster, input_fn):
     if cfg.benchmark.mode == "synthetic":
         device_batch = _device_batch(cluster, input_fn)
         return lambda: device_batch
-    iterator = iter(cluster.distribute_dataset(input_fn))
+    iterator = iter(cluster.distribute_dataset(input_fn, on_device=pipeline.train_batches_on_device(cfg.data)))
     return lambda: next(iterator)
 
 

@@ -16,6 +16,7 @@ about a second.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -67,6 +68,11 @@ BATCH_AUGMENTS = ("none", "randaugment", "mixup", "cutmix")  # tfscale.data.batc
 # Said wherever horovod is needed and missing (distribute.setup, the launcher).
 HOROVOD_INSTALL_HINT = "build it against this TensorFlow with `make horovod` (tools/install_horovod.sh; README 'Horovod')"
 BENCHMARK_MODES = ("train", "synthetic", "input")
+LOADERS = ("tfdata", "dali")
+DALI_DECODES = ("auto", "mixed", "cpu")
+# Said wherever data.loader=dali finds no DALI (config.validate, the DALI loader).
+DALI_INSTALL_HINT = ("install NVIDIA DALI and its TensorFlow plugin with `make dali` (pip install 'tfscale[dali]', then "
+                     "the plugin built against this TensorFlow; docs/data.md 'DALI'), or use config.data.loader='tfdata'")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -90,6 +96,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.dataset = "tfrecord"  # tfrecord (shards, data_dir) | tfds | synthetic (random, like tf_cnn_benchmarks) | synthetic_learnable
     c.data.data_dir = ""  # TFRecord shard directory (tfrecord) or local TFDS data_dir (tfds; never downloads); required for both
+    c.data.loader = "tfdata"  # tfdata | dali (NVIDIA DALI, optional: `make dali`): what reads, decodes and augments tfrecord shards (docs/data.md)
+    c.data.dali_decode = "auto"  # dali: where JPEGs are decoded: auto (mixed with a GPU, else cpu) | mixed (GPU, nvJPEG) | cpu
+    c.data.dali_threads = 0  # dali: CPU threads of each worker's pipeline; 0: the cores this process may use
+    c.data.dali_index_dir = ""  # dali: the shards' index files; "": data_dir/dali-index (written there when missing)
     c.data.stage_dir = ""  # copy shards here first (node-local SSD, e.g. $TMPDIR); "" reads in place
     c.data.tfds_name = ""  # TFDS dataset name, e.g. imagenet2012 (dataset=tfds)
     c.data.train_split = "train"  # shard file prefix (train-00000-of-01024) or TFDS split
@@ -372,6 +382,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
             f"config.data.num_train_examples={cfg.data.num_train_examples}: not one full step per epoch"
         )
     _check_data_source(cfg.data)
+    _check_loader(cfg.data)
     if not 0.0 < cfg.data.eval_crop_fraction <= 1.0:
         raise ConfigError(f"config.data.eval_crop_fraction must be in (0, 1], got {cfg.data.eval_crop_fraction}")
     init_path = cfg.model.init_from
@@ -451,6 +462,38 @@ def _check_data_source(data_cfg: ml_collections.ConfigDict) -> None:
             f"config.data.label_offset={data_cfg.label_offset} with config.data.dataset='tfds': TFDS class labels "
             "are 0-based (ClassLabel), so any offset makes class 0 negative; use 0 (or -1: automatic)"
         )
+
+
+def _check_loader(data_cfg: ml_collections.ConfigDict) -> None:
+    """data.loader=dali: DALI is installed and the data options are ones its pipeline implements."""
+    _require_choice("data.loader", data_cfg.loader, LOADERS)
+    _require_choice("data.dali_decode", data_cfg.dali_decode, DALI_DECODES)
+    if data_cfg.dali_threads < 0:
+        raise ConfigError(f"config.data.dali_threads must be >= 0 (0: the cores available), got {data_cfg.dali_threads}")
+    if data_cfg.loader != "dali":
+        return
+    refused = {  # key: (value the DALI pipeline needs, why)
+        "dataset": ("tfrecord", "DALI reads TFRecord shards"),
+        "batch_augment": ("none", "batch augmentations are Keras layers in tf.data"),
+        "skip_corrupt_images": (False, "DALI stops on an image it cannot decode"),
+    }
+    for key, (needed, why) in refused.items():
+        if data_cfg[key] != needed:
+            raise ConfigError(f"config.data.{key}={data_cfg[key]!r} does not work with config.data.loader='dali' "
+                              f"({why}): use {key}={needed!r} or config.data.loader='tfdata'")
+    if data_cfg.augment == "cifar":
+        raise ConfigError("config.data.augment='cifar' is not implemented by config.data.loader='dali' (imagenet and "
+                          "none are): use config.data.loader='tfdata' for CIFAR-style pad-and-crop")
+    missing = [name for name in ("nvidia.dali", "nvidia.dali.plugin.tf") if not _module_found(name)]
+    if missing:
+        raise ConfigError(f"config.data.loader='dali' but {missing[0]} is not installed: {DALI_INSTALL_HINT}")
+
+
+def _module_found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
 
 
 def _check_per_replica_batch(data_cfg: ml_collections.ConfigDict, num_replicas: int, micro_batches: int) -> None:

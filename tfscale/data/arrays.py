@@ -173,7 +173,7 @@ def write_split(output_dir: str, split: str, images: np.ndarray, labels: np.ndar
         infos.append(shards.shard_info(path, len(part), inputs_sha256=""))
     manifest = shards.build_manifest(split, classes, classes, infos, [], resize_shorter=0, seed=seed,
                                      input_dir=input_dir, image_format="png", tool="tfscale.data.arrays")
-    tfio.write_json(tfio.manifest_path(output_dir, split), manifest, indent=1)
+    shards.write_manifest(output_dir, split, manifest)
     return manifest
 
 

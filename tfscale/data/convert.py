@@ -144,7 +144,7 @@ def convert(input_dir: str, output_dir: str, split: str, num_shards: int, *, lab
 
     manifest = shards.build_manifest(split, classes, class_texts, shard_infos, skipped, resize_shorter=resize_shorter,
                                      seed=seed, input_dir=input_dir)
-    tfio.write_json(tfio.manifest_path(output_dir, split), manifest, indent=1)
+    shards.write_manifest(output_dir, split, manifest)
     tfio.remove_quietly(shards.state_path(output_dir, split))
     shards.warn_about_other_shards(output_dir, split, [s["name"] for s in shard_infos])
     logging.info("wrote %s: %d examples in %d shards, %d images skipped", tfio.manifest_path(output_dir, split),

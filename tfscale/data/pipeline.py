@@ -113,7 +113,7 @@ def holds_only_jpeg(data_dir: str, split: str) -> bool:
     return bool(manifest) and manifest.get("image_format") == "jpeg"
 
 
-def _label_check_fn(data_cfg: ml_collections.ConfigDict):
+def label_check_fn(data_cfg: ml_collections.ConfigDict):
     """Labels outside [0, num_classes) mean a wrong label offset or class count: fail loudly.
 
     Checks a whole batch at once (element = (images, labels, ...)): a per-example stage on the
@@ -245,7 +245,7 @@ def tf_data_options(data_cfg: ml_collections.ConfigDict, deterministic: bool | N
     return options
 
 
-def _finish(ds: tf.data.Dataset, data_cfg, deterministic: bool | None = None) -> tf.data.Dataset:
+def finish(ds: tf.data.Dataset, data_cfg, deterministic: bool | None = None) -> tf.data.Dataset:
     return ds.with_options(tf_data_options(data_cfg, deterministic)).prefetch(tf.data.AUTOTUNE)
 
 
@@ -321,6 +321,20 @@ def _eval_example_fn(data_cfg: ml_collections.ConfigDict, data_dir: str):
     return prepare
 
 
+def train_batches_on_device(data_cfg: ml_collections.ConfigDict) -> bool:
+    """True when the training batches leave the input pipeline on the GPU (DALI with GPU decoding)."""
+    if data_cfg.loader != "dali":
+        return False
+    from tfscale.data import dali  # optional: only installed with `make dali`
+
+    return dali.decode_device(data_cfg) == "mixed"
+
+
+def worker_seed(seed: int, start_step: int, rank: int) -> int:
+    """The shuffle seed of worker `rank`: its own order (as `full` assignment needs), new at every restart."""
+    return (seed * 1_000_003 + start_step * 7_919 + rank) % 2**31
+
+
 def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step: int,
                    data_dir: str | None = None, skipped_images: tf.Variable | None = None) -> InputFn:
     """Training batches (uint8 images, labels) from global step `start_step` on.
@@ -331,23 +345,26 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
     does not decode are dropped and counted in `skipped_images` (an int64 variable of this worker).
     """
     data_dir = data_dir or data_cfg.data_dir
+    if data_cfg.loader == "dali":
+        from tfscale.data import dali  # optional: only installed with `make dali`
+
+        return dali.train_input_fn(data_cfg, seed=seed, start_step=start_step, data_dir=data_dir)
 
     def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         if data_cfg.dataset in _SYNTHETIC:
-            return _finish(synthetic.train_dataset(data_cfg, input_context, seed=seed, start_step=start_step), data_cfg)
-        # Differs per worker (own shuffle order, as `full` assignment needs) and per restart.
-        worker_seed = (seed * 1_000_003 + start_step * 7_919 + input_context.input_pipeline_id) % 2**31
+            return finish(synthetic.train_dataset(data_cfg, input_context, seed=seed, start_step=start_step), data_cfg)
+        shuffle_seed = worker_seed(seed, start_step, input_context.input_pipeline_id)
         per_replica_batch = input_context.get_per_replica_batch_size(data_cfg.global_batch_size)
         if data_cfg.dataset == "tfds":
-            records = _tfds_records(data_cfg, data_cfg.train_split, input_context, seed=worker_seed, shuffle_files=True)
+            records = _tfds_records(data_cfg, data_cfg.train_split, input_context, seed=shuffle_seed, shuffle_files=True)
             records = records.repeat()
         else:
-            records = _worker_records(list_shards(data_dir, data_cfg.train_split), data_cfg, input_context, worker_seed)
+            records = _worker_records(list_shards(data_dir, data_cfg.train_split), data_cfg, input_context, shuffle_seed)
         prepare = _train_example_fn(data_cfg, data_dir)
         if data_cfg.shuffle_buffer > 1:
             # The records, before parsing: the smallest form an example takes here. Holding 10,000 of
             # them costs ~3% of the input rate in memory traffic (bench-input's "no shuffle" row).
-            records = records.shuffle(data_cfg.shuffle_buffer, seed=worker_seed)
+            records = records.shuffle(data_cfg.shuffle_buffer, seed=shuffle_seed)
         if data_cfg.skip_corrupt_images:
             size = data_cfg.image_size
             placeholder = (tf.zeros([size, size, 3], tf.uint8), tf.constant(0, tf.int32))
@@ -355,9 +372,9 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
                                          deterministic=data_cfg.deterministic)
         else:
             ds = records.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=data_cfg.deterministic)
-        ds = ds.batch(per_replica_batch, drop_remainder=True).map(_label_check_fn(data_cfg))
+        ds = ds.batch(per_replica_batch, drop_remainder=True).map(label_check_fn(data_cfg))
         ds = _batch_augment(ds, data_cfg)
-        return _finish(ds, data_cfg)
+        return finish(ds, data_cfg)
 
     return input_fn
 
@@ -379,31 +396,41 @@ def _eval_records(data_cfg, data_dir: str, input_context) -> tf.data.Dataset:
     return _keep_indices(ds, lambda i: i % workers == rank)
 
 
+def pad_eval(real: tf.data.Dataset, data_cfg, input_context, *, global_batch_size: int,
+             num_steps: int) -> tf.data.Dataset:
+    """This worker's (image, label, 1.0) examples, padded with masked ones to `num_steps` per-replica batches."""
+    per_replica_batch = input_context.get_per_replica_batch_size(global_batch_size)
+    local_replicas = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+    size = data_cfg.image_size
+    padding = tf.data.Dataset.from_tensors(
+        (tf.zeros([size, size, 3], tf.uint8), tf.constant(0, tf.int32), tf.constant(0.0))
+    ).repeat()
+    ds = real.concatenate(padding).take(num_steps * local_replicas * per_replica_batch)
+    ds = ds.batch(per_replica_batch, drop_remainder=True).map(label_check_fn(data_cfg))
+    # Always deterministic: the options also reach upstream ops that take their order from them
+    # (TFDS's parallel decode map), and example i must be the same example on every worker.
+    return finish(ds, data_cfg, deterministic=True)
+
+
 def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size: int, num_steps: int,
                   data_dir: str | None = None) -> InputFn:
     """`num_steps` eval batches (images, labels, mask); mask 0 marks padding of the last batch."""
     data_dir = data_dir or data_cfg.data_dir
+    if data_cfg.loader == "dali":
+        from tfscale.data import dali  # optional: only installed with `make dali`
+
+        return dali.eval_input_fn(data_cfg, global_batch_size=global_batch_size, num_steps=num_steps, data_dir=data_dir)
 
     def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         if data_cfg.dataset in _SYNTHETIC:
             ds = synthetic.eval_dataset(
                 data_cfg, input_context, seed=seed, global_batch_size=global_batch_size, num_steps=num_steps
             )
-            return _finish(ds, data_cfg)
-        per_replica_batch = input_context.get_per_replica_batch_size(global_batch_size)
-        local_replicas = input_context.num_replicas_in_sync // input_context.num_input_pipelines
-        size = data_cfg.image_size
+            return finish(ds, data_cfg)
         real = _eval_records(data_cfg, data_dir, input_context).map(
             _eval_example_fn(data_cfg, data_dir), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
         )
-        padding = tf.data.Dataset.from_tensors(
-            (tf.zeros([size, size, 3], tf.uint8), tf.constant(0, tf.int32), tf.constant(0.0))
-        ).repeat()
-        ds = real.concatenate(padding).take(num_steps * local_replicas * per_replica_batch)
-        ds = ds.batch(per_replica_batch, drop_remainder=True).map(_label_check_fn(data_cfg))
-        # Always deterministic: the options also reach upstream ops that take their order from them
-        # (TFDS's parallel decode map), and example i must be the same example on every worker.
-        return _finish(ds, data_cfg, deterministic=True)
+        return pad_eval(real, data_cfg, input_context, global_batch_size=global_batch_size, num_steps=num_steps)
 
     return input_fn
 

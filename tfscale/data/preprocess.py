@@ -46,6 +46,8 @@ DCT_METHOD = "INTEGER_FAST"
 # Model Garden / tf_cnn_benchmarks random-resized-crop settings.
 MIN_OBJECT_COVERED = 0.1
 MAX_ATTEMPTS = 10
+AREA_RANGE = (0.08, 1.0)  # of the image
+ASPECT_RATIO_RANGE = (3 / 4, 4 / 3)  # width / height
 CIFAR_PAD = 4  # zero padding (as in He et al. 2016 and Model Garden's CIFAR input), then crop back
 
 _FEATURES = {
@@ -181,8 +183,8 @@ def decode_full(encoded) -> tf.Tensor:
     return image
 
 
-def decode_and_random_crop(encoded, *, image_size: int, seed=None, area_range=(0.08, 1.0),
-                           aspect_ratio_range=(3 / 4, 4 / 3), jpeg_only: bool = False) -> tf.Tensor:
+def decode_and_random_crop(encoded, *, image_size: int, seed=None, area_range=AREA_RANGE,
+                           aspect_ratio_range=ASPECT_RATIO_RANGE, jpeg_only: bool = False) -> tf.Tensor:
     """ImageNet training crop: random-resized crop (Inception / Model Garden) + random flip.
 
     Samples a window covering `area_range` of the image with aspect ratio in `aspect_ratio_range`

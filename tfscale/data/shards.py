@@ -4,6 +4,7 @@ Names in an output directory (everything but shards and the manifest starts with
   `{split}-00000-of-01024`            a shard, complete (written under a temporary name, then renamed)
   `.{name}.tmp-{pid}`                 the temporary of a shard, the state file or a manifest
   `.{split}-convert-state.json`       {shard name: inputs_sha256} of the finished shards of a run
+  `dali-index/{name}.idx`             the shard's index for DALI's reader (tfscale.data.dali_index)
   `manifest-{split}.json`             tfscale.io; written last, by tfscale.data.convert
 A shard is reused by a rerun only when it is complete and its recorded fingerprint (inputs_sha256:
 input files, labels and options) is the one planned; shards of unknown origin are rewritten.
@@ -17,13 +18,12 @@ import json
 import os
 import random
 import re
-import struct
 
 from absl import logging
 
 import tfscale
 from tfscale import io as tfio
-from tfscale.data import parallel
+from tfscale.data import dali_index, parallel
 from tfscale.data.encode import JPEG_QUALITY, encode_image, example_bytes
 from tfscale.data.sources import LABEL_OFFSET, Item
 
@@ -66,19 +66,8 @@ def inputs_sha256(items: list[Item], file_stats: dict[str, tuple[int, int]], inp
 
 def count_records(path: str) -> int | None:
     """Number of records in a TFRecord file by walking its length headers; None if it is truncated."""
-    size_bytes = os.path.getsize(path)
-    count, pos = 0, 0
-    with open(path, "rb") as f:
-        while pos < size_bytes:
-            header = f.read(8)
-            if len(header) < 8:
-                return None
-            pos += 8 + 4 + struct.unpack("<Q", header)[0] + 4  # length, its crc, data, data crc
-            if pos > size_bytes:
-                return None
-            f.seek(pos)
-            count += 1
-    return count
+    spans = dali_index.record_spans(path)
+    return None if spans is None else len(spans)
 
 
 def shard_info(path: str, num_examples: int, inputs_sha256: str) -> dict:
@@ -191,6 +180,12 @@ def warn_about_other_shards(output_dir: str, split: str, names: list[str]) -> No
         logging.warning("%s also holds %d other %s shards (e.g. %s), left untouched; readers that glob "
                         "%s-*-of-* will read them too: delete them if they are stale",
                         output_dir, len(others), split, others[0], split)
+
+
+def write_manifest(output_dir: str, split: str, manifest: dict) -> None:
+    """The last step of a conversion: the shards' DALI index files (data.loader=dali), then the manifest."""
+    dali_index.write_for_shards(output_dir, [shard["name"] for shard in manifest["shards"]])
+    tfio.write_json(tfio.manifest_path(output_dir, split), manifest, indent=1)
 
 
 def build_manifest(split: str, classes: list[str], class_texts: list[str], shards: list[dict], skipped: list[dict],

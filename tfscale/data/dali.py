@@ -1,0 +1,229 @@
+"""NVIDIA DALI input pipelines on the same TFRecord shards (`data.loader='dali'`; optional: `make dali`).
+
+The same contract as the tf.data pipeline (data/pipeline.py): per-worker functions of a
+`tf.distribute.InputContext`, uint8 NHWC images and int32 labels (eval: plus a float mask), the
+same shards, the same data assignment, the same augmentation semantics:
+
+  train  reader (this worker's files, shuffled through a buffer of `data.shuffle_buffer` records)
+         -> imagenet: random-resized-crop decode (area and aspect ranges below) -> bilinear resize -> flip
+            none:     full decode -> bilinear resize
+  eval   reader (every eval file, this worker's contiguous part, file order) -> imagenet: the central
+         `data.eval_crop_fraction` of the shorter side, decoded alone, resized; none: decode, resize
+         -> tf.data: the worker's real examples, then masked padding up to the common number of batches.
+
+Where JPEGs are decoded (`data.dali_decode`): `mixed` decodes on the worker's GPU (nvJPEG), DALI's
+reason to exist; `cpu` uses DALI's CPU decoder. Training with `mixed` hands the batches over on the
+GPU, placed there by the strategy's per-replica input options, with no tf.data stage after DALI
+(NVIDIA: most tf.data datasets have only a CPU variant); the per-batch label check then is left out
+and the manifest cross-check guards the labels. Evaluation always decodes on the CPU: its padding
+and masking, which keep counts exact, are tf.data steps on the host. The GPU path is written from
+NVIDIA's documentation and has not run in tfscale's tests, which have no GPU.
+
+Data assignment. With at least as many files as workers (data.assignment_level file/auto), each
+worker's reader gets exactly the files tf.data's would (data.assignment.assign): every scheme works.
+With fewer files, `disjoint` splits the examples with DALI's shard_id/num_shards (contiguous blocks,
+fixed per worker) and `full` reads everything; the other schemes are refused by name.
+
+Differences from tf.data that remain: DALI samples the crop's aspect ratio (log-uniform) and falls
+back to a whole-image crop after 10 failed attempts, TensorFlow's sample_distorted_bounding_box to the
+central 87.5%; resampling differs in rounding (pixels agree within a few levels, tests/test_dali.py);
+records are shuffled through DALI's buffer (files in a fixed order), not reshuffled file lists.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+import tensorflow as tf
+from absl import logging
+
+from tfscale.config import DALI_INSTALL_HINT, ConfigError
+from tfscale.data import assignment, dali_index, pipeline, preprocess
+
+try:
+    import nvidia.dali.tfrecord as tfrec
+    from nvidia.dali import fn, math as dali_math, pipeline_def, types
+    from nvidia.dali.plugin import tf as dali_tf
+except ImportError as _err:  # config.validate says it first; this covers callers that skip it
+    raise ImportError(f"config.data.loader='dali' needs NVIDIA DALI: {DALI_INSTALL_HINT} ({_err})") from _err
+
+# Random-resized crop, the ranges of tf.data's sample_distorted_bounding_box: area 0.08-1 of the image,
+# but a crop must also cover MIN_OBJECT_COVERED of the (whole-image) box, so its area is >= 0.1 there.
+AREA_RANGE = (max(preprocess.AREA_RANGE[0], preprocess.MIN_OBJECT_COVERED), preprocess.AREA_RANGE[1])
+_SUPPORTED_EXAMPLE_LEVEL = ("disjoint", "full")
+_READER = "Reader"
+
+
+def decode_device(data_cfg: ml_collections.ConfigDict) -> str:
+    """"mixed" (GPU decoding) or "cpu" for `data.dali_decode`; auto picks mixed when a GPU is visible."""
+    has_gpu = bool(tf.config.list_physical_devices("GPU"))
+    if data_cfg.dali_decode == "mixed" and not has_gpu:
+        raise ConfigError("config.data.dali_decode='mixed' decodes on a GPU and this process sees none: "
+                          "use 'cpu' (or 'auto')")
+    if data_cfg.dali_decode == "auto":
+        return "mixed" if has_gpu else "cpu"
+    return data_cfg.dali_decode
+
+
+def _num_threads(data_cfg: ml_collections.ConfigDict) -> int:
+    return data_cfg.dali_threads or len(os.sched_getaffinity(0))
+
+
+def _gpu_ordinal() -> int:
+    """The CUDA ordinal of this worker's GPU (distribute.py leaves one visible to TensorFlow)."""
+    return int(tf.config.get_visible_devices("GPU")[0].name.rsplit(":", 1)[1])
+
+
+def reader_files(data_cfg: ml_collections.ConfigDict, files: list[str], rank: int,
+                 num_workers: int) -> tuple[list[str], int, int]:
+    """(files, shard_id, num_shards) of worker `rank`'s training reader under data.assignment."""
+    assignment.check(data_cfg.assignment, data_cfg.copies, num_workers)
+    if assignment.shard_level(len(files), num_workers, data_cfg.assignment_level) == "file":
+        return pipeline.worker_files(files, data_cfg, rank, num_workers), 0, 1
+    if data_cfg.assignment not in _SUPPORTED_EXAMPLE_LEVEL:
+        raise ConfigError(
+            f"config.data.assignment={data_cfg.assignment!r} assigns single examples here ({len(files)} files, "
+            f"{num_workers} workers), which config.data.loader='dali' does not implement (only "
+            f"{' and '.join(_SUPPORTED_EXAMPLE_LEVEL)}): write at least {num_workers} shards, or use loader='tfdata'")
+    if data_cfg.assignment == "full":
+        return files, 0, 1
+    return files, rank, num_workers
+
+
+def shard_size(num_examples: int, shard_id: int, num_shards: int) -> int:
+    """Examples DALI's reader gives shard `shard_id` of `num_shards` (its contiguous block of the list)."""
+    return num_examples * (shard_id + 1) // num_shards - num_examples * shard_id // num_shards
+
+
+def _indexes(data_cfg: ml_collections.ConfigDict, data_dir: str, files: list[str]) -> list[str]:
+    return dali_index.ensure_indexes(files, dali_index.index_dir(data_dir, data_cfg.dali_index_dir))
+
+
+def _read(files: list[str], indexes: list[str], *, shard_id: int, num_shards: int, shuffle_buffer: int,
+          label_offset: int):
+    """(encoded image, int32 label - label_offset) DataNodes of a TFRecord reader."""
+    shuffle = dict(random_shuffle=True, initial_fill=shuffle_buffer) if shuffle_buffer > 1 else {}
+    record = fn.readers.tfrecord(
+        path=files, index_path=indexes, shard_id=shard_id, num_shards=num_shards, stick_to_shard=True,
+        name=_READER, features={
+            "image/encoded": tfrec.FixedLenFeature((), tfrec.string, ""),
+            "image/class/label": tfrec.FixedLenFeature([1], tfrec.int64, -1),
+        }, **shuffle)
+    label = fn.cast(fn.reshape(record["image/class/label"], shape=[]) - label_offset, dtype=types.INT32)
+    return record["image/encoded"], label
+
+
+def _resize(images, image_size: int):
+    """Bilinear, no antialias, uint8 in and out: the resize of tf.data's pipeline."""
+    return fn.resize(images, size=[image_size, image_size], interp_type=types.INTERP_LINEAR, antialias=False)
+
+
+def _center_window(encoded, crop_fraction: float):
+    """(anchor [x, y], shape [side, side]) of preprocess._center_window: same truncation and rounding."""
+    shape = fn.peek_image_shape(encoded)  # [H, W, C]
+    height, width = fn.cast(shape[0], dtype=types.INT32), fn.cast(shape[1], dtype=types.INT32)
+    side = fn.cast(dali_math.floor(crop_fraction * fn.cast(dali_math.min(height, width), dtype=types.FLOAT)),
+                   dtype=types.INT32)
+    side = dali_math.max(side, 1)
+    anchor = fn.stack((width - side + 1) // 2, (height - side + 1) // 2)
+    return anchor, fn.stack(side, side)
+
+
+@pipeline_def(enable_conditionals=False)
+def _train_pipeline(files, indexes, *, shard_id, num_shards, data_cfg, device):
+    encoded, label = _read(files, indexes, shard_id=shard_id, num_shards=num_shards,
+                           shuffle_buffer=data_cfg.shuffle_buffer, label_offset=data_cfg.label_offset)
+    if data_cfg.augment == "imagenet":
+        images = fn.decoders.image_random_crop(
+            encoded, device=device, output_type=types.RGB, random_area=list(AREA_RANGE),
+            random_aspect_ratio=list(preprocess.ASPECT_RATIO_RANGE), num_attempts=preprocess.MAX_ATTEMPTS)
+        images = fn.flip(_resize(images, data_cfg.image_size), horizontal=fn.random.coin_flip(probability=0.5))
+    else:
+        images = _resize(fn.decoders.image(encoded, device=device, output_type=types.RGB), data_cfg.image_size)
+    return images, (label.gpu() if device == "mixed" else label)
+
+
+@pipeline_def(enable_conditionals=False)
+def _eval_pipeline(files, indexes, *, shard_id, num_shards, data_cfg):
+    encoded, label = _read(files, indexes, shard_id=shard_id, num_shards=num_shards, shuffle_buffer=1,
+                           label_offset=data_cfg.label_offset)
+    if data_cfg.augment == "imagenet":
+        anchor, shape = _center_window(encoded, data_cfg.eval_crop_fraction)
+        images = fn.decoders.image_slice(encoded, anchor, shape, output_type=types.RGB, normalized_anchor=False,
+                                         normalized_shape=False, axis_names="WH")
+    else:
+        images = fn.decoders.image(encoded, output_type=types.RGB)
+    return _resize(images, data_cfg.image_size), label
+
+
+def _dataset(pipe, batch_size: int, image_size: int, device_id) -> tf.data.Dataset:
+    return dali_tf.DALIDataset(
+        pipeline=pipe, batch_size=batch_size, num_threads=pipe.num_threads, device_id=device_id,
+        output_shapes=((batch_size, image_size, image_size, 3), (batch_size,)),
+        output_dtypes=(tf.uint8, tf.int32))
+
+
+def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step: int, data_dir: str):
+    """DALI's `pipeline.train_input_fn`: per-replica batches (uint8 images, int32 labels), endless."""
+
+    def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        rank, workers = input_context.input_pipeline_id, input_context.num_input_pipelines
+        device = decode_device(data_cfg)
+        if device == "mixed" and input_context.num_replicas_in_sync != workers:
+            raise ConfigError("config.data.dali_decode='mixed' needs one GPU per worker process (one task per GPU, "
+                              "as tfscale's sbatch templates start them): use 'cpu' with several GPUs per process")
+        files, shard_id, num_shards = reader_files(data_cfg, pipeline.list_shards(data_dir, data_cfg.train_split),
+                                                   rank, workers)
+        pipeline.require_present(files, data_dir, f"worker {rank} of {workers} reads")
+        batch = input_context.get_per_replica_batch_size(data_cfg.global_batch_size)
+        worker_seed = pipeline.worker_seed(seed, start_step, rank)
+        gpu = _gpu_ordinal() if device == "mixed" else None
+        pipe = _train_pipeline(files, _indexes(data_cfg, data_dir, files), shard_id=shard_id, num_shards=num_shards,
+                               data_cfg=data_cfg, device=device, batch_size=batch,
+                               num_threads=_num_threads(data_cfg), device_id=gpu, seed=worker_seed)
+        logging.info("DALI training input of worker %d: %d files, shard %d of %d, %s decoding, %d threads",
+                     rank, len(files), shard_id, num_shards, device, pipe.num_threads)
+        if device == "mixed":
+            with tf.device("/gpu:0"):  # the worker's GPU (the only one visible to TensorFlow)
+                return _dataset(pipe, batch, data_cfg.image_size, gpu)
+        with tf.device("/cpu:0"):
+            ds = _dataset(pipe, batch, data_cfg.image_size, None)
+        return pipeline.finish(ds.map(pipeline.label_check_fn(data_cfg)), data_cfg)
+
+    return input_fn
+
+
+def count_examples(indexes: list[str]) -> int:
+    """Records in the shards of `indexes` (a line each)."""
+    total = 0
+    for path in indexes:
+        with open(path, "rb") as f:
+            total += sum(1 for _ in f)
+    return total
+
+
+def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, global_batch_size: int, num_steps: int, data_dir: str):
+    """DALI's `pipeline.eval_input_fn`: `num_steps` batches (images, labels, mask), padding masked out.
+
+    Worker r of W evaluates its contiguous part of the eval examples (DALI's shard r of W) in file
+    order, every time the same.
+    """
+
+    def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        rank, workers = input_context.input_pipeline_id, input_context.num_input_pipelines
+        files = pipeline.list_shards(data_dir, data_cfg.eval_split)
+        pipeline.require_present(files, data_dir, f"of {data_cfg.eval_split} (every worker evaluates from every file)")
+        indexes = _indexes(data_cfg, data_dir, files)
+        batch = input_context.get_per_replica_batch_size(global_batch_size)
+        pipe = _eval_pipeline(files, indexes, shard_id=rank, num_shards=workers, data_cfg=data_cfg,
+                              batch_size=batch, num_threads=_num_threads(data_cfg), device_id=None, seed=0)
+        with tf.device("/cpu:0"):
+            decoded = _dataset(pipe, batch, data_cfg.image_size, None)
+        # The reader wraps around into the next pass: keep this worker's examples of the first one.
+        real = decoded.unbatch().take(shard_size(count_examples(indexes), rank, workers)).map(
+            lambda image, label: (image, label, tf.constant(1.0)))
+        return pipeline.pad_eval(real, data_cfg, input_context, global_batch_size=global_batch_size,
+                                 num_steps=num_steps)
+
+    return input_fn
