@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO, load_config, run_cli
 
-from tfscale import benchmark
+from tfscale import baselines, benchmark
 from tfscale import config as tfs_config
 from tfscale.data import convert
 
@@ -41,8 +41,10 @@ def test_input_benchmark_prints_and_saves_every_pipeline_rate(photo_shards, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     printed = json.loads(lines[-1])  # the last line is the JSON summary
+    # DALI's row is there when `make dali` installed it (make test does).
+    dali = ("tfscale_dali",) if baselines.dali_installed() else ()
     assert set(printed) == {f"{name}_images_per_sec" for name in
-                            ("tfscale", "tfscale_no_shuffle", "model_garden", "decode_only", "keras_baseline")}
+                            ("tfscale", "tfscale_no_shuffle", "model_garden", "decode_only", "keras_baseline", *dali)}
     assert all(rate > 0 for rate in printed.values())
     with open(os.path.join(tmp_path, "benchmark.json")) as f:
         saved = json.load(f)
@@ -55,6 +57,9 @@ def test_input_benchmark_prints_and_saves_every_pipeline_rate(photo_shards, tmp_
     assert f"{ours / printed['decode_only_images_per_sec']:.2f}x" in ratio_line
     ratio_line = next(line for line in lines if line.strip().startswith("vs Model-Garden-style"))
     assert f"tfscale {ours / printed['model_garden_images_per_sec']:.3f}x" in ratio_line
+    if dali:
+        assert saved["tfscale_dali_vs_tfdata"] == round(printed["tfscale_dali_images_per_sec"] / ours, 3)
+        assert "DALI (cpu decoding)" in next(line for line in lines if "DALI" in line)
 
 
 def test_input_benchmark_needs_shards(tmp_path):

@@ -142,7 +142,13 @@ def test_class_tree_shards_features_and_labels(converted, tree_dir):
     out, manifest = converted
     root, _ = tree_dir
     names = [f"train-0000{i}-of-00004" for i in range(4)]
-    assert sorted(os.listdir(out)) == ["manifest-train.json"] + names  # no temp or state files left
+    assert sorted(os.listdir(out)) == ["dali-index", "manifest-train.json"] + names  # no temp or state files left
+    # DALI's reader index of every shard (data.loader=dali): one "offset length" line per record.
+    assert sorted(os.listdir(os.path.join(out, "dali-index"))) == [name + ".idx" for name in names]
+    index_lines = open(os.path.join(out, "dali-index", names[0] + ".idx")).read().splitlines()
+    assert len(index_lines) == manifest["shards"][0]["num_examples"]
+    last_offset, last_length = map(int, index_lines[-1].split())
+    assert last_offset + last_length == manifest["shards"][0]["bytes"]
     bytes_keys = {"image/encoded", "image/format", "image/colorspace", "image/class/synset", "image/class/text",
                   "image/filename"}
     expected_texts = {"n01": b"first class, the one", "n02": b"second class", "n03": b"n03"}
@@ -277,7 +283,7 @@ def test_legacy_manifest_is_read_and_replaced_by_a_rerun(converted, tree_dir, tm
     manifest = convert.convert(root, out, "train", 4, class_text_file=text_file, num_workers=1)
     after = file_ids(out)
     assert all(after[s["name"]] == before[s["name"]] for s in manifest["shards"]), "shards were rewritten"
-    assert sorted(after) == ["manifest-train.json"] + [s["name"] for s in original["shards"]]
+    assert sorted(after) == ["dali-index", "manifest-train.json"] + [s["name"] for s in original["shards"]]
 
 
 def test_remove_temp_files_knows_every_temporary_name(tmp_path):
@@ -529,7 +535,7 @@ def test_killed_conversion_resumes(photos, tmp_path):
     manifest = convert.convert(tmp_path / "in", out, "train", 16, resize_shorter=64, num_workers=1)
     after = file_ids(out)
     assert all(after[n] == finished[n] for n in recorded), "finished shards were rewritten"
-    assert sorted(after) == sorted([f"train-{i:05d}-of-00016" for i in range(16)] + ["manifest-train.json"])
+    assert sorted(after) == sorted([f"train-{i:05d}-of-00016" for i in range(16)] + ["dali-index", "manifest-train.json"])
     reference = convert.convert(tmp_path / "in", tmp_path / "ref", "train", 16, resize_shorter=64, num_workers=1)
     assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in reference["shards"]]
 
@@ -544,7 +550,7 @@ def test_cli_smoke_and_missing_input_dir(tree_dir, tmp_path):
                                  "--num_shards=2", "--num_workers=1"), capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path / "out")) == [
-        "manifest-validation.json", "validation-00000-of-00002", "validation-00001-of-00002"]
+        "dali-index", "manifest-validation.json", "validation-00000-of-00002", "validation-00001-of-00002"]
     assert tfio.read_manifest(tmp_path / "out", "validation")["num_examples"] == 31
 
     missing = tmp_path / "no_such_dir"
