@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, load_config, quiet_env, run_cli, without_tf_import_notices
+from conftest import REPO, load_config, quiet_env, read_jsonl, run_cli, without_tf_import_notices
 from tfscale.config import ConfigError, validate
 from tfscale.data import dali_index, pipeline
 
@@ -148,8 +148,8 @@ def test_decoded_pixels_agree_with_tfdata(photo_shards):
             ds = pipeline.eval_input_fn(data_cfg, seed=0, global_batch_size=5, num_steps=NUM_PHOTOS // 5)(context(0, 1))
             images[loader] = np.concatenate([batch[0].numpy() for batch in ds]).astype(np.float32)
         difference = np.abs(images["dali"] - images["tfdata"])
-        assert difference.mean() < 3.0, (augment, difference.mean())
-        assert np.median(difference) <= 2.0
+        assert difference.mean() < 2.0, (augment, difference.mean())  # ~1.0 measured; another example: ~50
+        assert np.median(difference) <= 1.0
 
 
 # --- evaluation -------------------------------------------------------------------------------------------------
@@ -232,9 +232,9 @@ def train_digits(workdir, shards, counts, loader) -> dict:
          "--config=configs/digits.py", f"--workdir={workdir}", f"--config.data.data_dir={shards}",
          "--config.distribute.backend=mwms", f"--config.data.loader={loader}",
          f"--config.data.num_train_examples={counts['train']}", f"--config.data.num_eval_examples={counts['validation']}",
-         "--config.data.image_size=32", "--config.model.name=cifar_resnet8", "--config.optim.lr_per_256=1.6",
-         "--config.train.epochs=4", "--config.schedule.warmup_epochs=0.5", "--config.train.eval_every_epochs=4",
-         "--config.checkpoint.every_epochs=4", "--config.train.log_every_steps=22"],
+         "--config.data.image_size=32", "--config.model.name=cifar_resnet8", "--config.optim.lr_per_256=0.8",
+         "--config.train.epochs=10", "--config.schedule.warmup_epochs=1", "--config.train.eval_every_epochs=10",
+         "--config.checkpoint.every_epochs=10", "--config.train.log_every_steps=100"],
         cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, without_tf_import_notices(result.stdout[-3000:] + result.stderr[-3000:])
     return json.load(open(os.path.join(workdir, "summary.json")))
@@ -245,8 +245,10 @@ def test_two_worker_training_with_dali_converges_like_tfdata(digit_shards, tmp_p
     shards, counts = digit_shards
     summaries = {loader: train_digits(tmp_path / loader, shards, counts, loader) for loader in ("dali", "tfdata")}
     print({loader: (s["eval_top1"], s["images_per_sec"]) for loader, s in summaries.items()})
-    for summary in summaries.values():
-        assert summary["num_workers"] == 2 and summary["eval_examples"] == counts["validation"]
+    for loader in summaries:
+        evals = [row for row in read_jsonl(tmp_path / loader / "metrics.jsonl") if "eval_top1" in row]
+        assert [row["eval_examples"] for row in evals] == [counts["validation"]]  # every held-out scan once
+        assert summaries[loader]["num_workers"] == 2
     assert summaries["dali"]["steps"] == summaries["tfdata"]["steps"]
     assert summaries["dali"]["eval_top1"] > 0.85
     assert abs(summaries["dali"]["eval_top1"] - summaries["tfdata"]["eval_top1"]) < 0.06
