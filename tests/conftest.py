@@ -139,3 +139,14 @@ def small_file_system(mount_point, size: str):
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.fixture(scope="session")
+def digit_shards(tmp_path_factory):
+    """(shard dir, {split: count}): scikit-learn's real digit scans as JPEG shards, 2 train + 1 validation."""
+    from test_export import convert_both_splits, write_digit_jpegs
+
+    root = tmp_path_factory.mktemp("digits")
+    counts = write_digit_jpegs(str(root / "images"))
+    convert_both_splits(str(root / "images"), str(root / "shards"))
+    return str(root / "shards"), counts

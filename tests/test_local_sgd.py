@@ -293,16 +293,6 @@ def test_sigterm_under_local_sgd_stops_at_a_world_sync_and_resumes_exactly(tmp_p
 # --- accuracy on real data --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def digit_shards(tmp_path_factory):
-    from test_export import convert_both_splits, write_digit_jpegs
-
-    root = tmp_path_factory.mktemp("digits")
-    counts = write_digit_jpegs(str(root / "images"))
-    convert_both_splits(str(root / "images"), str(root / "shards"))
-    return str(root / "shards"), counts
-
-
 def digits_summary(root, shards, counts, *overrides) -> dict:
     command = [sys.executable, "-m", "tfscale.launch", "--num_workers=4", "--threads_per_worker=1", "--",
                "-m", "tfscale.train", "--config=configs/digits.py", f"--workdir={root}",

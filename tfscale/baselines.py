@@ -206,7 +206,8 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
     if dali_installed():
         from tfscale.data import dali
 
-        result["tfscale_dali_vs_tfdata"] = round(result["tfscale_dali_images_per_sec"] / result["tfscale_images_per_sec"], 3)
+        dali_rate, tfdata_rate = result["tfscale_dali_images_per_sec"], result["tfscale_images_per_sec"]
+        result["tfscale_dali_vs_tfdata"] = round(dali_rate / tfdata_rate, 3)
         result["dali_decode"] = dali.decode_device(cfg.data)
     result.update(global_batch_size=cfg.data.global_batch_size, image_size=cfg.data.image_size,
                   shuffle_buffer=cfg.data.shuffle_buffer,

@@ -202,8 +202,8 @@ def _benchmark_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDi
 
 def versions() -> dict:
     found = {"python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__}
-    horovod = sys.modules.get("horovod")  # reported only when this run imported it
-    found["horovod"] = getattr(horovod, "__version__", None)
+    for name, module in (("horovod", "horovod"), ("dali", "nvidia.dali")):  # reported when this run imported it
+        found[name] = getattr(sys.modules.get(module), "__version__", None)
     return found
 
 

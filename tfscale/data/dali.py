@@ -182,8 +182,9 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
         pipe = _train_pipeline(files, _indexes(data_cfg, data_dir, files), shard_id=shard_id, num_shards=num_shards,
                                data_cfg=data_cfg, device=device, batch_size=batch,
                                num_threads=_num_threads(data_cfg), device_id=gpu, seed=worker_seed)
-        logging.info("DALI training input of worker %d: %d files, shard %d of %d, %s decoding, %d threads",
-                     rank, len(files), shard_id, num_shards, device, pipe.num_threads)
+        logging.info("DALI training input of worker %d: %d files, shard %d of %d, %s decoding, %d threads%s",
+                     rank, len(files), shard_id, num_shards, device, pipe.num_threads,
+                     " (data.cache is a tf.data option: DALI reads the shards every pass)" if data_cfg.cache else "")
         if device == "mixed":
             with tf.device("/gpu:0"):  # the worker's GPU (the only one visible to TensorFlow)
                 return _dataset(pipe, batch, data_cfg.image_size, gpu)
