@@ -7,6 +7,7 @@ class, so a label names one example.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -90,8 +91,15 @@ def test_stale_or_missing_index_is_rewritten_and_a_truncated_shard_named(photo_s
     assert all(dali_index.is_current(s, dali_index.index_path(s, index_dir)) for s in shards)
     with open(shards[3], "r+b") as f:
         f.truncate(os.path.getsize(shards[3]) - 100)
-    with pytest.raises(dali_index.DaliIndexError, match="train-00003-of-00004 is truncated"):
+    with pytest.raises(dali_index.TruncatedShard, match="train-00003-of-00004 is truncated"):
         dali_index.ensure_indexes(shards, index_dir)
+
+
+def test_an_index_folder_that_cannot_be_made_is_a_config_error_naming_it(photo_shards, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    data_cfg = photo_config(photo_shards["four"], dali_index_dir=str(tmp_path / "a_file" / "index"))
+    with pytest.raises(ConfigError, match=r"cannot create the DALI index folder .*a_file/index.*dali_index_dir"):
+        train_labels(data_cfg, 0, 1, 1)
 
 
 # --- training batches -------------------------------------------------------------------------------------------
@@ -225,11 +233,11 @@ def test_missing_dali_stops_the_run_naming_make_dali(photo_shards, tmp_path):
 # --- training ---------------------------------------------------------------------------------------------------
 
 
-def train_digits(workdir, shards, counts, loader) -> dict:
+def train_digits(workdir, shards, counts, loader, backend="mwms") -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--", "-m", "tfscale.train",
+        [sys.executable, "-m", "tfscale.launch", "--num_workers=2", f"--backend={backend}", "--", "-m", "tfscale.train",
          "--config=configs/digits.py", f"--workdir={workdir}", f"--config.data.data_dir={shards}",
-         "--config.distribute.backend=mwms", f"--config.data.loader={loader}",
+         f"--config.distribute.backend={backend}", f"--config.data.loader={loader}",
          f"--config.data.num_train_examples={counts['train']}",
          f"--config.data.num_eval_examples={counts['validation']}",
          "--config.data.image_size=32", "--config.model.name=cifar_resnet8", "--config.optim.lr_per_256=0.8",
@@ -244,7 +252,9 @@ def train_digits(workdir, shards, counts, loader) -> dict:
 def test_two_worker_training_with_dali_converges_like_tfdata(digit_shards, tmp_path):
     shards, counts = digit_shards
     summaries = {loader: train_digits(tmp_path / loader, shards, counts, loader) for loader in ("dali", "tfdata")}
-    print({loader: (s["eval_top1"], s["images_per_sec"]) for loader, s in summaries.items()})
+    if importlib.util.find_spec("horovod"):  # make test builds it; the DALI input is the same under Horovod
+        summaries["dali_horovod"] = train_digits(tmp_path / "dali_horovod", shards, counts, "dali", "horovod")
+    print({run: (s["eval_top1"], s["images_per_sec"]) for run, s in summaries.items()})
     for loader in summaries:
         evals = [row for row in read_jsonl(tmp_path / loader / "metrics.jsonl") if "eval_top1" in row]
         assert [row["eval_examples"] for row in evals] == [counts["validation"]]  # every held-out scan once
@@ -252,3 +262,5 @@ def test_two_worker_training_with_dali_converges_like_tfdata(digit_shards, tmp_p
     assert summaries["dali"]["steps"] == summaries["tfdata"]["steps"]
     assert summaries["dali"]["eval_top1"] > 0.85
     assert abs(summaries["dali"]["eval_top1"] - summaries["tfdata"]["eval_top1"]) < 0.06
+    if "dali_horovod" in summaries:
+        assert abs(summaries["dali_horovod"]["eval_top1"] - summaries["tfdata"]["eval_top1"]) < 0.06

@@ -445,6 +445,20 @@ def test_corrupt_eval_image_always_stops_naming_it(shards_with_bad_images, tmp_p
     assert "Evaluation never skips an image" in result.stdout
 
 
+def test_corrupt_image_read_by_dali_stops_naming_shard_and_record(shards_with_bad_images, tmp_path):
+    """DALI names the first image it cannot decode by byte offset; the run names every bad record, as with tf.data."""
+    pytest.importorskip("tfscale.data.dali", reason="NVIDIA DALI is not installed: `make dali` (make test runs it)")
+    data = shards_with_bad_images
+    shard = data["train_bad"] / "train-00001-of-00002"
+    stopped = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["train_bad"]), "--config.data.loader=dali")
+    assert stopped.returncode == 65, stopped.stdout[-3000:]
+    assert f"corrupt image: {shard}: record 2 (" in stopped.stdout and f"; {shard}: record 4 (" in stopped.stdout
+    assert "--config.data.loader=tfdata --config.data.skip_corrupt_images=True (DALI cannot skip them)" in stopped.stdout
+    result = launch(tmp_path, tmp_path / "eval_run", 2, *on_shards(data, data["eval_bad"]), "--config.data.loader=dali")
+    assert result.returncode == 65, result.stdout[-3000:]
+    assert f"corrupt image: {data['eval_bad']}/validation-00000-of-00001: record 6 (" in result.stdout
+
+
 # --- 10. kill -9 of a worker in the pre-flight all-reduce, during restore, during eval ---------------
 
 

@@ -303,7 +303,7 @@ def _naming_bad_data(run: engine.Run, split: str):
     `faults.CorruptDataError` naming the shard and record; other errors pass unchanged."""
     try:
         yield
-    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as err:
+    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError, tf.errors.InternalError) as err:  # Internal: DALI's
         explained = pipeline.explain_read_error(err, run.cfg.data, run.data_dir, split, rank=run.cluster.rank,
                                                 num_workers=run.cluster.size)
         if explained is None:

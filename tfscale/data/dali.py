@@ -39,7 +39,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale.config import DALI_INSTALL_HINT, ConfigError
-from tfscale.data import assignment, dali_index, pipeline, preprocess
+from tfscale.data import assignment, dali_index, faults, pipeline, preprocess
 
 try:
     import nvidia.dali.tfrecord as tfrec
@@ -97,7 +97,13 @@ def shard_size(num_examples: int, shard_id: int, num_shards: int) -> int:
 
 
 def _indexes(data_cfg: ml_collections.ConfigDict, data_dir: str, files: list[str]) -> list[str]:
-    return dali_index.ensure_indexes(files, dali_index.index_dir(data_dir, data_cfg.dali_index_dir))
+    """The index files of `files`, written where missing or stale; a truncated shard stops the run (exit 65)."""
+    try:
+        return dali_index.ensure_indexes(files, dali_index.index_dir(data_dir, data_cfg.dali_index_dir))
+    except dali_index.TruncatedShard as err:
+        raise faults.CorruptDataError(f"corrupt TFRecord data: {err}") from err
+    except dali_index.DaliIndexError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _read(files: list[str], indexes: list[str], *, shard_id: int, num_shards: int, shuffle_buffer: int,

@@ -26,7 +26,11 @@ _FRAMING_BYTES = 8 + 4 + 4  # length, CRC of the length, CRC of the payload
 
 
 class DaliIndexError(OSError):
-    """A shard cannot be indexed (truncated) or its index cannot be written; the message names the file."""
+    """An index cannot be written; the message names the file and the key that moves it."""
+
+
+class TruncatedShard(DaliIndexError):
+    """A shard's last record runs past the end of the file; the message names the shard."""
 
 
 def record_spans(path: str) -> list[tuple[int, int]] | None:
@@ -60,13 +64,13 @@ def write_index(shard_path: str, path: str) -> int:
     """Writes the index of one shard atomically; returns its number of records."""
     spans = record_spans(shard_path)
     if spans is None:
-        raise DaliIndexError(f"{shard_path} is truncated (its last record runs past the end of the file): "
-                          "re-convert or re-stage it")
+        raise TruncatedShard(f"{shard_path} is truncated (its last record runs past the end of the file): "
+                             "re-convert or re-stage it")
     try:
         tfio.write_bytes(path, "".join(f"{offset} {length}\n" for offset, length in spans).encode())
     except OSError as e:
         raise DaliIndexError(f"cannot write the DALI index {path}: {e.strerror or e}; set config.data.dali_index_dir "
-                          "to a writable directory (node-local is fine: indexes are small)") from e
+                             "to a writable directory (node-local is fine: indexes are small)") from e
     return len(spans)
 
 
@@ -99,7 +103,11 @@ def ensure_indexes(shard_paths: list[str], directory: str) -> list[str]:
     paths = [index_path(shard, directory) for shard in shard_paths]
     stale = [(shard, path) for shard, path in zip(shard_paths, paths) if not is_current(shard, path)]
     if stale:
-        os.makedirs(directory, exist_ok=True)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise DaliIndexError(f"cannot create the DALI index folder {directory}: {e.strerror or e}; set "
+                                 "config.data.dali_index_dir to a writable directory") from e
         for shard, path in stale:
             write_index(shard, path)
         logging.info("wrote %d DALI index files in %s (%d were current)", len(stale), directory,

@@ -39,7 +39,15 @@ _RECORD_FOOTER_BYTES = 4  # uint32 masked CRC of the data
 _MAX_NAMED = 5  # bad records named in one message (the scan stops there)
 
 
+# Errors of DALI's operators that read image bytes (decoders, and the eval crop's shape peek) reach TensorFlow as
+# an InternalError naming the operator, with DALI's own words after it ("Failed to decode sample #2 : SHARD at
+# index OFFSET", "nvImageCodec failure: '#4'", ...).
+_DALI_IMAGE_OPERATORS = ("nvidia.dali.fn.decoders.", "nvidia.dali.fn.peek_image_shape")
+
+
 def is_decode_error(err: tf.errors.OpError) -> bool:
+    if isinstance(err, tf.errors.InternalError):  # data.loader=dali
+        return any(operator in err.message for operator in _DALI_IMAGE_OPERATORS)
     return isinstance(err, tf.errors.InvalidArgumentError) and any(w in err.message for w in _DECODE_ERROR_WORDS)
 
 

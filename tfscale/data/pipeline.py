@@ -446,8 +446,9 @@ def explain_read_error(err: tf.errors.OpError, data_cfg: ml_collections.ConfigDi
         advice = "Evaluation never skips an image (its counts are exact): re-convert or remove that record"
     else:
         read = worker_files(read, data_cfg, rank, num_workers)
-        advice = ("Re-convert that shard, or skip such records with --config.data.skip_corrupt_images=True "
-                  "(counted in metrics.jsonl and summary.json)")
+        skip = ("--config.data.skip_corrupt_images=True" if data_cfg.loader == "tfdata" else
+                "--config.data.loader=tfdata --config.data.skip_corrupt_images=True (DALI cannot skip them)")
+        advice = f"Re-convert that shard, or skip such records with {skip} (counted in metrics.jsonl and summary.json)"
     parse = _parse_fn(data_cfg)
     # The whole image, not the step's crop: a JPEG cut short decodes in a random window above the cut,
     # so the crop that failed may not fail again, and the scan must not depend on that luck.
