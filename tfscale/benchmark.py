@@ -234,7 +234,7 @@ def _batch_source(cfg, cluster, input_fn):
     if cfg.benchmark.mode == "synthetic":
         device_batch = _device_batch(cluster, input_fn)
         return lambda: device_batch
-    iterator = iter(cluster.distribute_dataset(input_fn, on_device=pipeline.train_batches_on_device(cfg.data)))
+    iterator = iter(cluster.distribute_dataset(input_fn))
     return lambda: next(iterator)
 
 

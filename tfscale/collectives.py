@@ -36,13 +36,6 @@ def device_input_options(prefetch_batches: int) -> tf.distribute.InputOptions:
                                       experimental_per_replica_buffer_size=prefetch_batches)
 
 
-# For datasets that already produce their batches on the replica's GPU (DALI's GPU decoding): placed
-# there, per replica, not fetched again (NVIDIA's documented setting for DALIDataset under tf.distribute).
-ON_DEVICE_INPUT_OPTIONS = tf.distribute.InputOptions(
-    experimental_place_dataset_on_device=True, experimental_fetch_to_device=False,
-    experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)
-
-
 class Collectives(abc.ABC):
     """How one backend reduces across replicas and processes (see the Cluster method of the same name)."""
 
@@ -77,11 +70,7 @@ class Collectives(abc.ABC):
     def broadcast_from_chief(self, variables) -> None: ...
 
     @abc.abstractmethod
-    def distribute_dataset(self, input_fn: InputFn, on_device: bool = False):
-        """`input_fn`'s per-worker datasets; `on_device`: they produce batches on the GPU (ON_DEVICE_INPUT_OPTIONS)."""
-
-    def dataset_options(self, on_device: bool) -> tf.distribute.InputOptions:
-        return ON_DEVICE_INPUT_OPTIONS if on_device else self.input_options
+    def distribute_dataset(self, input_fn: InputFn): ...
 
 
 class StrategyCollectives(Collectives):
@@ -151,8 +140,8 @@ class StrategyCollectives(Collectives):
     def broadcast_from_chief(self, variables):
         pass  # MWMS initialises and restores replicas identically itself
 
-    def distribute_dataset(self, input_fn, on_device=False):
-        return self.strategy.distribute_datasets_from_function(input_fn, options=self.dataset_options(on_device))
+    def distribute_dataset(self, input_fn):
+        return self.strategy.distribute_datasets_from_function(input_fn, options=self.input_options)
 
 
 class HorovodCollectives(Collectives):
@@ -204,10 +193,9 @@ class HorovodCollectives(Collectives):
         tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
         self.hvd.broadcast_variables(tf_variables, root_rank=0)
 
-    def distribute_dataset(self, input_fn, on_device=False):
+    def distribute_dataset(self, input_fn):
         # Each rank is its own one-device "strategy", so tell input_fn about the whole Horovod job.
         size, rank = self.hvd.size(), self.hvd.rank()
         context = tf.distribute.InputContext(num_input_pipelines=size, input_pipeline_id=rank,
                                              num_replicas_in_sync=size)
-        return self.strategy.distribute_datasets_from_function(lambda _: input_fn(context),
-                                                               options=self.dataset_options(on_device))
+        return self.strategy.distribute_datasets_from_function(lambda _: input_fn(context), options=self.input_options)

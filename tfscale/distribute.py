@@ -172,12 +172,9 @@ class Cluster:
         """Copies the chief's values into `variables` (Keras or TF variables) on every process."""
         self._collectives.broadcast_from_chief(variables)
 
-    def distribute_dataset(self, input_fn: InputFn, on_device: bool = False):
-        """`input_fn`'s dataset for this process, sharded over all processes, placed on its devices.
-
-        on_device: the datasets already produce batches on this worker's GPU (DALI's GPU decoding).
-        """
-        return self._collectives.distribute_dataset(input_fn, on_device)
+    def distribute_dataset(self, input_fn: InputFn):
+        """`input_fn`'s dataset for this process, sharded over all processes, placed on its devices."""
+        return self._collectives.distribute_dataset(input_fn)
 
 
 # --- setup ----------------------------------------------------------------------------------------

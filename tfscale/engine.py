@@ -442,8 +442,7 @@ def train_dataset(run: Run, start_step: int, skipped_images: tf.Variable | None 
     cfg = run.cfg
     return run.cluster.distribute_dataset(
         pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step, data_dir=run.data_dir,
-                                skipped_images=skipped_images),
-        on_device=pipeline.train_batches_on_device(cfg.data),
+                                skipped_images=skipped_images)
     )
 
 

@@ -321,15 +321,6 @@ def _eval_example_fn(data_cfg: ml_collections.ConfigDict, data_dir: str):
     return prepare
 
 
-def train_batches_on_device(data_cfg: ml_collections.ConfigDict) -> bool:
-    """True when the training batches leave the input pipeline on the GPU (DALI with GPU decoding)."""
-    if data_cfg.loader != "dali":
-        return False
-    from tfscale.data import dali  # optional: only installed with `make dali`
-
-    return dali.decode_device(data_cfg) == "mixed"
-
-
 def worker_seed(seed: int, start_step: int, rank: int) -> int:
     """The shuffle seed of worker `rank`: its own order (as `full` assignment needs), new at every restart."""
     return (seed * 1_000_003 + start_step * 7_919 + rank) % 2**31
