@@ -145,6 +145,21 @@ def test_disjoint_two_workers_see_each_example_once_per_epoch_like_tfdata(photo_
     assert sorted([*seen[0], *seen[1]]) == list(range(NUM_PHOTOS))
 
 
+def test_a_nodes_staged_copy_gets_its_own_indexes_and_serves_only_its_workers(photo_shards, tmp_path):
+    """tfscale-stage copies worker 1's shards (of 2) without indexes: DALI writes them in the copy."""
+    from tfscale.data import stage
+
+    dest = str(tmp_path / "staged")
+    stage.stage(photo_shards["four"], dest, splits=("train",), readers=stage.Readers((1,), 2))
+    data_cfg = photo_config(dest, global_batch_size=10)
+    labels, _ = train_labels(data_cfg, 1, 2, 2)  # worker 1's files: shards 1 and 3
+    assert sorted(os.listdir(os.path.join(dest, "dali-index"))) == ["train-00001-of-00004.idx",
+                                                                   "train-00003-of-00004.idx"]
+    assert len(set(labels[:10])) == 10
+    with pytest.raises(FileNotFoundError, match="2 of the 2 shards worker 0 of 2 reads are missing in the staged copy"):
+        train_labels(data_cfg, 0, 2, 1)
+
+
 def test_schemes_dali_cannot_split_by_example_are_refused_by_name(photo_shards):
     data_cfg = photo_config(photo_shards["one"], train_split="validation", assignment="coarse", copies=2)
     with pytest.raises(ConfigError, match="assignment='coarse' assigns single examples.*only disjoint and full"):
