@@ -21,7 +21,7 @@ from conftest import REPO, classic_example, run_cli
 
 from tfscale import io as tfio
 from tfscale.config import base_config
-from tfscale.data import convert, pipeline, shards, stage
+from tfscale.data import convert, dali_index, pipeline, shards, stage
 
 SPLITS = ("train", "validation")
 GLOBS = {split: (f"{split}*", f"{split}-*", f"{split}-*-of-*") for split in SPLITS}
@@ -94,7 +94,7 @@ def assert_every_glob_reads_only_shards(data_dir: str, manifests: dict) -> None:
 
 def test_every_split_glob_reads_only_shards(converted):
     out, manifests = converted
-    assert sorted(os.listdir(out)) == ["manifest-train.json", "manifest-validation.json",
+    assert sorted(os.listdir(out)) == ["dali-index", "manifest-train.json", "manifest-validation.json",
                                        "train-00000-of-00004", "train-00001-of-00004", "train-00002-of-00004",
                                        "train-00003-of-00004", "validation-00000-of-00002",
                                        "validation-00001-of-00002"]
@@ -112,7 +112,7 @@ def test_nothing_else_tfscale_writes_matches_a_split_glob():
                  shards.shard_name(split, 3, 4)]
         others += final[:2] + [f".{name.lstrip('.')}.tmp-4242" for name in final]  # the converter's temporaries
         others += [f"{stage.PARTIAL_PREFIX}{name}.4242" for name in final]  # staging's temporaries
-    others += [stage.STATE_FILE, stage.LOCK_FILE, stage.SHARD_LIST_FILE]
+    others += [stage.STATE_FILE, stage.LOCK_FILE, stage.SHARD_LIST_FILE, dali_index.INDEX_DIR_NAME]
     others += [os.path.basename(tfio.temp_path(name)) for name in (stage.STATE_FILE, stage.SHARD_LIST_FILE)]
     for split in SPLITS:
         for pattern in GLOBS[split]:
