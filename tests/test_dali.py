@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from conftest import REPO, load_config, quiet_env, read_jsonl, run_cli, without_tf_import_notices
 from tfscale.config import ConfigError, validate
-from tfscale.data import dali_index, pipeline
+from tfscale.data import dali_index, pipeline, preprocess
 
 dali = pytest.importorskip("tfscale.data.dali", reason="NVIDIA DALI is not installed: `make dali` (make test runs it)")
 
@@ -131,7 +131,7 @@ def test_disjoint_two_workers_see_each_example_once_per_epoch_like_tfdata(photo_
         files, _, _ = dali.reader_files(dali_cfg, pipeline.list_shards(photo_shards[shards], dali_cfg.train_split),
                                         rank, 2)
         indexes = dali_index.ensure_indexes(files, dali_index.index_dir(photo_shards[shards]))
-        share = dali.count_examples(indexes) if shards == "four" else dali.shard_size(NUM_PHOTOS, rank, 2)
+        share = dali_index.num_records(indexes) if shards == "four" else dali.shard_size(NUM_PHOTOS, rank, 2)
         # Batches of 5 do not end with the epoch: read whole batches past it, keep the epoch's share.
         labels, _ = train_labels(dali_cfg, rank, 2, -(-share // 5))
         seen[rank] = labels[:share]
@@ -139,7 +139,7 @@ def test_disjoint_two_workers_see_each_example_once_per_epoch_like_tfdata(photo_
         if shards == "four":  # the examples of the files tf.data's worker `rank` reads
             all_files = pipeline.list_shards(photo_shards[shards], "train")
             tfdata_files = pipeline.worker_files(all_files, tfdata_cfg, rank, 2)
-            parse = lambda record: pipeline.preprocess.parse_example(record, label_offset=1)[1]  # noqa: E731
+            parse = lambda record: preprocess.parse_example(record, label_offset=1)[1]  # noqa: E731
             assert set(seen[rank]) == {int(label) for label in tf.data.TFRecordDataset(tfdata_files).map(parse)}
     assert not set(seen[0]) & set(seen[1])
     assert sorted([*seen[0], *seen[1]]) == list(range(NUM_PHOTOS))

@@ -190,7 +190,8 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
     unshuffled.data.shuffle_buffer = 1
     makers = {"tfscale": lambda: tfscale_input(cfg), "tfscale_no_shuffle": lambda: tfscale_input(unshuffled),
               "model_garden": lambda: model_garden_input(cfg), "decode_only": lambda: decode_only_input(cfg)}
-    if dali_installed():
+    with_dali = dali_installed()
+    if with_dali:
         makers["tfscale_dali"] = lambda: tfscale_input(cfg, loader="dali")
     if bench.image_dir:
         makers["keras_baseline"] = lambda: keras_baseline_input(cfg, bench.image_dir)
@@ -203,7 +204,7 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
     result["tfscale_vs_model_garden"] = round(result["tfscale_images_per_sec"] / result["model_garden_images_per_sec"], 3)
     result["tfscale_no_shuffle_vs_model_garden"] = round(
         result["tfscale_no_shuffle_images_per_sec"] / result["model_garden_images_per_sec"], 3)
-    if dali_installed():
+    if with_dali:
         from tfscale.data import dali
 
         dali_rate, tfdata_rate = result["tfscale_dali_images_per_sec"], result["tfscale_images_per_sec"]

@@ -4,6 +4,9 @@ Atomic writes: the bytes go to a dot-file next to the target, `.{name}.tmp-{pid}
 over the target (os.replace) only once it is complete. Readers see the old file or the whole new
 one; a killed writer leaves only its dot-file, which no shard glob (`train*`, `train-*`) matches.
 
+TFRecord framing: `tfrecord_spans` walks a file's record headers (the converter's resume check, the
+DALI index files, naming a truncated shard).
+
 Manifests: `manifest-{split}.json`, written by tfscale.data.convert next to the shards it describes
 (`{split}-manifest.json` in older versions: still read, never written). Reading them happens here
 and only here, with one error type (`ManifestError`) that names the file.
@@ -29,6 +32,9 @@ _CHUNK_BYTES = 8 << 20  # large sequential reads suit parallel file systems
 # shard (DataLossError: corrupted record at 0). That name is still read, from older conversions.
 MANIFEST_FORMAT = "manifest-{split}.json"
 LEGACY_MANIFEST_FORMAT = "{split}-manifest.json"
+# A TFRecord: uint64 little-endian data length, uint32 CRC of it, the data, uint32 CRC of the data.
+_TFRECORD_LENGTH_BYTES = 8
+_TFRECORD_FRAMING_BYTES = 8 + 4 + 4
 MANIFEST_GLOBS = (MANIFEST_FORMAT.format(split="*"), LEGACY_MANIFEST_FORMAT.format(split="*"))  # every split
 
 
@@ -38,6 +44,30 @@ class ManifestError(ValueError):
 
 class WriteError(OSError):
     """A run's file could not be written (disk full, quota, permissions); names the path and the free space."""
+
+
+def tfrecord_spans(path: str, *, open_file=open, size_bytes: int | None = None) -> tuple[list[tuple[int, int]], bool]:
+    """(offset, length) in bytes of every whole record of a TFRecord file, and whether the file ends where
+    its last record does (False: truncated, the spans are the records before the cut).
+
+    Reads only the 8-byte length headers and seeks past the rest (length, its CRC, data, data CRC), so it
+    costs a small read per record. `open_file` and `size_bytes`: tf.io.gfile.GFile and its stat for
+    remote paths.
+    """
+    size_bytes = os.path.getsize(path) if size_bytes is None else size_bytes
+    spans, position = [], 0
+    with open_file(path, "rb") as f:
+        while position < size_bytes:
+            f.seek(position)
+            header = f.read(_TFRECORD_LENGTH_BYTES)
+            if len(header) < _TFRECORD_LENGTH_BYTES:
+                return spans, False
+            length = _TFRECORD_FRAMING_BYTES + int.from_bytes(header, "little")
+            if position + length > size_bytes:
+                return spans, False
+            spans.append((position, length))
+            position += length
+    return spans, True
 
 
 def one_line(err: BaseException) -> str:

@@ -207,15 +207,6 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
     return input_fn
 
 
-def count_examples(indexes: list[str]) -> int:
-    """Records in the shards of `indexes` (a line each)."""
-    total = 0
-    for path in indexes:
-        with open(path, "rb") as f:
-            total += sum(1 for _ in f)
-    return total
-
-
 def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, global_batch_size: int, num_steps: int, data_dir: str):
     """DALI's `pipeline.eval_input_fn`: `num_steps` batches (images, labels, mask), padding masked out.
 
@@ -233,7 +224,7 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, global_batch_size: int
                               **_pipeline_args(data_cfg, batch, seed=0))
         decoded = _dataset(pipe, batch, data_cfg.image_size)
         # The reader wraps around into the next pass: keep this worker's examples of the first one.
-        real = decoded.unbatch().take(shard_size(count_examples(indexes), rank, workers)).map(
+        real = decoded.unbatch().take(shard_size(dali_index.num_records(indexes), rank, workers)).map(
             lambda image, label: (image, label, tf.constant(1.0)))
         return pipeline.pad_eval(real, data_cfg, input_context, global_batch_size=global_batch_size,
                                  num_steps=num_steps)

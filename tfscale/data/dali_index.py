@@ -14,15 +14,12 @@ and rewrites missing or stale ones, so a staged copy or shards from other tools 
 from __future__ import annotations
 
 import os
-import struct
 
 from absl import logging
 
 from tfscale import io as tfio
 
 INDEX_DIR_NAME = "dali-index"
-_HEADER_BYTES = 8  # uint64 little-endian payload length
-_FRAMING_BYTES = 8 + 4 + 4  # length, CRC of the length, CRC of the payload
 
 
 class DaliIndexError(OSError):
@@ -31,24 +28,6 @@ class DaliIndexError(OSError):
 
 class TruncatedShard(DaliIndexError):
     """A shard's last record runs past the end of the file; the message names the shard."""
-
-
-def record_spans(path: str) -> list[tuple[int, int]] | None:
-    """(offset, length) of every record of a TFRecord file, from its length headers; None if truncated."""
-    size_bytes = os.path.getsize(path)
-    spans, pos = [], 0
-    with open(path, "rb") as f:
-        while pos < size_bytes:
-            header = f.read(_HEADER_BYTES)
-            if len(header) < _HEADER_BYTES:
-                return None
-            length = _FRAMING_BYTES + struct.unpack("<Q", header)[0]
-            if pos + length > size_bytes:
-                return None
-            spans.append((pos, length))
-            pos += length
-            f.seek(pos)
-    return spans
 
 
 def index_dir(data_dir: str, configured: str = "") -> str:
@@ -62,8 +41,8 @@ def index_path(shard_path: str, directory: str) -> str:
 
 def write_index(shard_path: str, path: str) -> int:
     """Writes the index of one shard atomically; returns its number of records."""
-    spans = record_spans(shard_path)
-    if spans is None:
+    spans, complete = tfio.tfrecord_spans(shard_path)
+    if not complete:
         raise TruncatedShard(f"{shard_path} is truncated (its last record runs past the end of the file): "
                              "re-convert or re-stage it")
     try:
@@ -113,6 +92,15 @@ def ensure_indexes(shard_paths: list[str], directory: str) -> list[str]:
         logging.info("wrote %d DALI index files in %s (%d were current)", len(stale), directory,
                      len(paths) - len(stale))
     return paths
+
+
+def num_records(index_paths: list[str]) -> int:
+    """Records in the shards of these index files (a line each)."""
+    total = 0
+    for path in index_paths:
+        with open(path, "rb") as f:
+            total += sum(1 for _ in f)
+    return total
 
 
 def write_for_shards(output_dir: str, shard_names: list[str]) -> str:

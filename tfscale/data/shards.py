@@ -66,8 +66,8 @@ def inputs_sha256(items: list[Item], file_stats: dict[str, tuple[int, int]], inp
 
 def count_records(path: str) -> int | None:
     """Number of records in a TFRecord file by walking its length headers; None if it is truncated."""
-    spans = dali_index.record_spans(path)
-    return None if spans is None else len(spans)
+    spans, complete = tfio.tfrecord_spans(path)
+    return len(spans) if complete else None
 
 
 def shard_info(path: str, num_examples: int, inputs_sha256: str) -> dict:
