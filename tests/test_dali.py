@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from conftest import REPO, load_config, quiet_env, read_jsonl, run_cli, without_tf_import_notices
 from tfscale.config import ConfigError, validate
-from tfscale.data import dali_index, pipeline, preprocess
+from tfscale.data import dali_index, pipeline, preprocess, shard_dir
 
 dali = pytest.importorskip("tfscale.data.dali", reason="NVIDIA DALI is not installed: `make dali` (make test runs it)")
 
@@ -128,7 +128,7 @@ def test_disjoint_two_workers_see_each_example_once_per_epoch_like_tfdata(photo_
     tfdata_cfg = photo_config(photo_shards[shards], "tfdata", **cfg)
     seen = {}
     for rank in (0, 1):
-        files, _, _ = dali.reader_files(dali_cfg, pipeline.list_shards(photo_shards[shards], dali_cfg.train_split),
+        files, _, _ = dali.reader_files(dali_cfg, shard_dir.list_shards(photo_shards[shards], dali_cfg.train_split),
                                         rank, 2)
         indexes = dali_index.ensure_indexes(files, dali_index.index_dir(photo_shards[shards]))
         share = dali_index.num_records(indexes) if shards == "four" else dali.shard_size(NUM_PHOTOS, rank, 2)
@@ -137,7 +137,7 @@ def test_disjoint_two_workers_see_each_example_once_per_epoch_like_tfdata(photo_
         seen[rank] = labels[:share]
         assert len(set(seen[rank])) == share, f"worker {rank} saw an example twice within an epoch"
         if shards == "four":  # the examples of the files tf.data's worker `rank` reads
-            all_files = pipeline.list_shards(photo_shards[shards], "train")
+            all_files = shard_dir.list_shards(photo_shards[shards], "train")
             tfdata_files = pipeline.worker_files(all_files, tfdata_cfg, rank, 2)
             parse = lambda record: preprocess.parse_example(record, label_offset=1)[1]  # noqa: E731
             assert set(seen[rank]) == {int(label) for label in tf.data.TFRecordDataset(tfdata_files).map(parse)}
@@ -166,7 +166,7 @@ def test_schemes_dali_cannot_split_by_example_are_refused_by_name(photo_shards):
         train_labels(data_cfg, 0, 4, 1)
     # With enough files, every scheme is the tf.data assignment of whole files.
     data_cfg = photo_config(photo_shards["four"], assignment="medium_coarse", copies=2)
-    files, shard_id, num_shards = dali.reader_files(data_cfg, pipeline.list_shards(photo_shards["four"], "train"), 1, 4)
+    files, shard_id, num_shards = dali.reader_files(data_cfg, shard_dir.list_shards(photo_shards["four"], "train"), 1, 4)
     assert [os.path.basename(f)[:11] for f in files] == ["train-00001", "train-00002"]
     assert (shard_id, num_shards) == (0, 1)
 

@@ -16,7 +16,7 @@ from PIL import Image
 from scipy import stats
 
 from tfscale import baselines
-from tfscale.data import convert, pipeline, preprocess
+from tfscale.data import convert, preprocess, shard_dir
 
 HEIGHT, WIDTH = 358, 508  # a typical ImageNet photo
 SIZE = 64
@@ -89,8 +89,8 @@ def test_convert_shards_skip_the_format_branch_others_keep_it(tmp_path):
     Image.fromarray(np.full((20, 30, 3), 200, np.uint8)).save(tree / "b.JPEG", format="JPEG")
     out = str(tmp_path / "shards")
     convert.convert(str(tmp_path / "photos"), out, "train", 1, num_workers=1)
-    assert pipeline.holds_only_jpeg(out, "train")
-    records = tf.data.TFRecordDataset(pipeline.list_shards(out, "train"))
+    assert shard_dir.holds_only_jpeg(out, "train")
+    records = tf.data.TFRecordDataset(shard_dir.list_shards(out, "train"))
     encoded = [preprocess.parse_example(r, label_offset=1)[0] for r in records]
     assert all(tf.io.is_jpeg(e).numpy() for e in encoded)
-    assert not pipeline.holds_only_jpeg(str(tmp_path / "photos"), "train")  # no manifest at all
+    assert not shard_dir.holds_only_jpeg(str(tmp_path / "photos"), "train")  # no manifest at all

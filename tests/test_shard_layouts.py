@@ -21,7 +21,7 @@ from conftest import REPO, classic_example, run_cli
 
 from tfscale import io as tfio
 from tfscale.config import base_config
-from tfscale.data import convert, dali_index, pipeline, shards, stage
+from tfscale.data import convert, dali_index, pipeline, shard_dir, shards, stage
 
 SPLITS = ("train", "validation")
 GLOBS = {split: (f"{split}*", f"{split}-*", f"{split}-*-of-*") for split in SPLITS}
@@ -145,7 +145,7 @@ def test_tfscale_reads_it_and_a_nodes_staged_copy_too(converted, tmp_path):
     out, manifests = converted
     num_train, num_eval = manifests["train"]["num_examples"], manifests["validation"]["num_examples"]
     cfg = data_config(out, num_train, num_eval)
-    assert pipeline.prepare_data_dir(cfg, num_train_examples=num_train, num_eval_examples=num_eval) == out
+    assert shard_dir.prepare_data_dir(cfg, num_train_examples=num_train, num_eval_examples=num_eval) == out
     ds = pipeline.eval_input_fn(cfg, seed=0, global_batch_size=4, num_steps=-(-num_eval // 4))(
         tf.distribute.InputContext())
     masks = np.concatenate([m for _, _, m in ds.as_numpy_iterator()])

@@ -36,7 +36,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import engine, optim
-from tfscale.data import pipeline, preprocess
+from tfscale.data import pipeline, preprocess, shard_dir
 
 _KERAS_RESIZE_RATIO = 8 / 7  # resize to 256 before a 224 crop, as the classic ImageNet recipe
 
@@ -95,7 +95,7 @@ def dali_installed() -> bool:
 
 def decode_only_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
     """The same shards, reader parallelism and options, but a full JPEG decode and nothing else."""
-    files = pipeline.list_shards(cfg.data.data_dir, cfg.data.train_split)
+    files = shard_dir.list_shards(cfg.data.data_dir, cfg.data.train_split)
     ds = tf.data.Dataset.from_tensor_slices(files).repeat().interleave(
         tf.data.TFRecordDataset, cycle_length=min(cfg.data.interleave_cycle, len(files)),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=False,
@@ -148,7 +148,7 @@ def model_garden_input(cfg: ml_collections.ConfigDict) -> tf.data.Dataset:
     same JPEG IDCT, bilinear resize in float32, uint8 out), so the ratio measures pipeline structure.
     """
     data = cfg.data
-    files = pipeline.list_shards(data.data_dir, data.train_split)
+    files = shard_dir.list_shards(data.data_dir, data.train_split)
     ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=cfg.seed).repeat()
     ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(data.interleave_cycle, len(files)),
                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)

@@ -32,7 +32,7 @@ from absl import logging
 
 from tfscale import config as tfs_config
 from tfscale import distribute, local_sgd, models, optim
-from tfscale.data import pipeline
+from tfscale.data import pipeline, shard_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Clus
     tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
     if before_data is not None:
         before_data(cluster)
-    data_dir = pipeline.prepare_data_dir(
+    data_dir = shard_dir.prepare_data_dir(
         cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples
     )
     return Run(cfg=cfg, cluster=cluster, steps=tfs_config.to_steps(cfg, num_workers=cluster.size), data_dir=data_dir)

@@ -41,7 +41,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale.config import DALI_INSTALL_HINT, ConfigError
-from tfscale.data import assignment, dali_index, faults, pipeline, preprocess
+from tfscale.data import assignment, dali_index, faults, pipeline, preprocess, shard_dir
 
 try:
     import nvidia.dali.tfrecord as tfrec
@@ -191,9 +191,9 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
 
     def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         rank, workers = input_context.input_pipeline_id, input_context.num_input_pipelines
-        files, shard_id, num_shards = reader_files(data_cfg, pipeline.list_shards(data_dir, data_cfg.train_split),
+        files, shard_id, num_shards = reader_files(data_cfg, shard_dir.list_shards(data_dir, data_cfg.train_split),
                                                    rank, workers)
-        pipeline.require_present(files, data_dir, f"worker {rank} of {workers} reads")
+        shard_dir.require_present(files, data_dir, f"worker {rank} of {workers} reads")
         batch = input_context.get_per_replica_batch_size(data_cfg.global_batch_size)
         args = _pipeline_args(data_cfg, batch, seed=pipeline.worker_seed(seed, start_step, rank))
         pipe = _train_pipeline(files, _indexes(data_cfg, data_dir, files), shard_id=shard_id, num_shards=num_shards,
@@ -216,8 +216,8 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, global_batch_size: int
 
     def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         rank, workers = input_context.input_pipeline_id, input_context.num_input_pipelines
-        files = pipeline.list_shards(data_dir, data_cfg.eval_split)
-        pipeline.require_present(files, data_dir, f"of {data_cfg.eval_split} (every worker evaluates from every file)")
+        files = shard_dir.list_shards(data_dir, data_cfg.eval_split)
+        shard_dir.require_present(files, data_dir, f"of {data_cfg.eval_split} (every worker evaluates from every file)")
         indexes = _indexes(data_cfg, data_dir, files)
         batch = input_context.get_per_replica_batch_size(global_batch_size)
         pipe = _eval_pipeline(files, indexes, shard_id=rank, num_shards=workers, data_cfg=data_cfg,

@@ -26,91 +26,11 @@ from typing import Callable
 import ml_collections
 import tensorflow as tf
 
-from tfscale import io as tfio
-from tfscale.config import ConfigError
-from tfscale.data import assignment, batch_augment, faults, preprocess, stage, synthetic
+from tfscale.data import assignment, batch_augment, faults, preprocess, shard_dir, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 _READ_BUFFER_BYTES = 8 << 20  # per open shard; large sequential reads suit parallel file systems
 _SYNTHETIC = ("synthetic", "synthetic_learnable")
-
-
-def list_shards(data_dir: str, split: str) -> list[str]:
-    """Sorted paths of the shards of `split` in `data_dir`; a clear error when there are none.
-
-    The files `{split}-*-of-*`, or in a staged copy every shard of the source it was staged from, present
-    or not: a node's copy may hold only the train shards its workers read, and every worker must
-    number the files as in the full directory to pick its own (see `require_present`).
-    """
-    if not tf.io.gfile.isdir(data_dir):
-        raise FileNotFoundError(f"config.data.data_dir={data_dir!r} is not a directory")
-    staged = stage.read_shard_list(data_dir, split)
-    files = ([os.path.join(data_dir, name) for name in staged] if staged
-             else sorted(tf.io.gfile.glob(os.path.join(data_dir, f"{split}-*-of-*"))))
-    if not files:
-        raise FileNotFoundError(f"no TFRecord shards named {split}-*-of-* in {data_dir}")
-    return files
-
-
-def is_staged_copy(data_dir: str) -> bool:
-    """A staging destination (node-local, so plain os): its shard lists may name files it does not hold."""
-    return os.path.exists(os.path.join(data_dir, stage.SHARD_LIST_FILE))
-
-
-def require_present(paths: list[str], data_dir: str, what: str) -> None:
-    """FileNotFoundError naming a shard of `paths` that a staged copy lacks (and how many it lacks).
-
-    Elsewhere the paths come from a glob and exist: no per-file stat (slow on remote storage).
-    """
-    if not is_staged_copy(data_dir):
-        return
-    missing = [p for p in paths if not os.path.exists(p)]
-    if missing:
-        raise FileNotFoundError(
-            f"{len(missing)} of the {len(paths)} shards {what} are missing in the staged copy {data_dir}, e.g. "
-            f"{os.path.basename(missing[0])}: it holds the train shards of the workers it was staged for, so "
-            "tools/stage_data.py --num_workers/--worker_ranks/--assignment must match the training run")
-
-
-def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, split: str,
-                           num_examples: int, *, allow_missing: bool = False) -> None:
-    """Cross-checks config and shards with the conversion manifest, when there is one.
-
-    allow_missing: shards that are not there are not an error (a partial staged copy); those
-    that are must still have the manifest's size.
-    """
-    where = tfio.find_manifest(data_dir, split)
-    manifest = tfio.read_manifest_file(where) if where else None
-    if manifest is None:
-        return  # shards from other tools: the per-example label check still guards the labels
-    for key, ours, theirs in (
-        ("data.num_classes", data_cfg.num_classes, manifest["num_classes"]),
-        ("data.label_offset", data_cfg.label_offset, manifest["label_offset"]),
-        (f"data.num_{'train' if split == data_cfg.train_split else 'eval'}_examples", num_examples,
-         manifest["num_examples"]),
-    ):
-        if ours != theirs:
-            # A config error (the run stops on a one-line FATAL naming key, value and manifest), not a traceback.
-            raise ConfigError(f"config.{key}={ours} but {where} says {theirs}")
-    for shard in manifest["shards"]:
-        path = os.path.join(data_dir, shard["name"])
-        if not tf.io.gfile.exists(path):
-            if allow_missing:
-                continue
-            raise FileNotFoundError(f"shard {path} listed in {where} is missing")
-        size = tf.io.gfile.stat(path).length
-        if size != shard["bytes"]:
-            raise ValueError(f"shard {path} has {size} bytes but {where} says {shard['bytes']}: truncated or corrupt")
-
-
-def holds_only_jpeg(data_dir: str, split: str) -> bool:
-    """True when the split's manifest says every record is a JPEG (shards written by tfscale-convert).
-
-    Shards from other tools may hold PNGs or CMYK JPEGs under .JPEG names: they get the format branch.
-    """
-    where = tfio.find_manifest(data_dir, split)
-    manifest = tfio.read_manifest_file(where) if where else None
-    return bool(manifest) and manifest.get("image_format") == "jpeg"
 
 
 def label_check_fn(data_cfg: ml_collections.ConfigDict):
@@ -168,7 +88,7 @@ def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tf.
     assignment.check(data_cfg.assignment, data_cfg.copies, workers)
     if assignment.shard_level(len(files), workers, data_cfg.assignment_level) == "file":
         mine = worker_files(files, data_cfg, rank, workers)
-        require_present(mine, os.path.dirname(mine[0]), f"worker {rank} of {workers} reads")
+        shard_dir.require_present(mine, os.path.dirname(mine[0]), f"worker {rank} of {workers} reads")
         ds = tf.data.Dataset.from_tensor_slices(mine)
         if not data_cfg.cache:  # a cache below freezes the first epoch's file order anyway
             ds = ds.shuffle(len(mine), seed=seed, reshuffle_each_iteration=True).repeat()
@@ -180,7 +100,7 @@ def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tf.
     else:
         # Fewer files than workers: every worker reads all files in one fixed order and keeps
         # its examples; the fixed order is what makes example indices agree across workers.
-        require_present(files, os.path.dirname(files[0]), f"every worker of {workers} reads")
+        shard_dir.require_present(files, os.path.dirname(files[0]), f"every worker of {workers} reads")
         ds = tf.data.TFRecordDataset(files, buffer_size=_READ_BUFFER_BYTES)
         keep = tf.constant(assignment.pattern(rank=rank, **scheme))  # periodic: item i kept iff keep[i % period]
         ds = _keep_indices(ds, lambda i: tf.gather(keep, i % tf.size(keep, out_type=tf.int64)))
@@ -199,7 +119,7 @@ def assignment_report(data_cfg: ml_collections.ConfigDict, data_dir: str, num_wo
     """
     if data_cfg.dataset != "tfrecord":
         return None
-    num_files = len(list_shards(data_dir, data_cfg.train_split))
+    num_files = len(shard_dir.list_shards(data_dir, data_cfg.train_split))
     scheme = dict(num_workers=num_workers, scheme=data_cfg.assignment, copies=data_cfg.copies)
     if assignment.shard_level(num_files, num_workers, data_cfg.assignment_level) == "example":
         return assignment.report(data_cfg.num_train_examples, **scheme, item="examples")
@@ -258,37 +178,6 @@ def _batch_augment(ds: tf.data.Dataset, data_cfg) -> tf.data.Dataset:
     return ds if augmenter is None else ds.map(augmenter, num_parallel_calls=tf.data.AUTOTUNE)
 
 
-def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples: int, num_eval_examples: int,
-                     worker_ranks: tuple[int, ...] | None = None, num_workers: int | None = None) -> str:
-    """The directory to read shards from: staged to `data.stage_dir` first when set; checked.
-
-    Staging copies every eval shard and, with `worker_ranks` (of `num_workers`), only the train shards
-    those workers read under data.assignment; without them every shard (how train.py and benchmark.py
-    call it: a worker learns its rank only after staging has begun).
-    A staged copy may lack other workers' train shards: each worker checks its own when it builds
-    its dataset. Anywhere else every shard must be there.
-    """
-    if data_cfg.dataset != "tfrecord":
-        return data_cfg.data_dir
-    data_dir = data_cfg.data_dir
-    if data_cfg.stage_dir:
-        readers = None
-        # Evaluating on the train split reads every file of it on every worker: then stage it whole.
-        if worker_ranks is not None and data_cfg.eval_split != data_cfg.train_split:
-            readers = stage.Readers(tuple(worker_ranks), num_workers, data_cfg.assignment, data_cfg.copies,
-                                    data_cfg.assignment_level)
-        data_dir = stage.stage(data_dir, data_cfg.stage_dir, splits=(data_cfg.train_split, data_cfg.eval_split),
-                               train_split=data_cfg.train_split, readers=readers).dest_dir
-    for split, num_examples in ((data_cfg.train_split, num_train_examples), (data_cfg.eval_split, num_eval_examples)):
-        # Train shards of a staged copy may be another node's: each worker checks its own in _worker_records.
-        partial = split == data_cfg.train_split != data_cfg.eval_split and is_staged_copy(data_dir)
-        shards = list_shards(data_dir, split)
-        if not partial:
-            require_present(shards, data_dir, f"of {split}")
-        check_against_manifest(data_cfg, data_dir, split, num_examples, allow_missing=partial)
-    return data_dir
-
-
 def _train_example_fn(data_cfg: ml_collections.ConfigDict, data_dir: str):
     """record -> (uint8 image, int32 label): parse (TFRecord) + decode + augment, one function.
 
@@ -296,7 +185,7 @@ def _train_example_fn(data_cfg: ml_collections.ConfigDict, data_dir: str):
     decode) cost a hand-over between tf.data threads per example, a few % (bench-input).
     """
     to_example = (lambda encoded, label: (encoded, label)) if data_cfg.dataset == "tfds" else _parse_fn(data_cfg)
-    jpeg_only = data_cfg.dataset == "tfrecord" and holds_only_jpeg(data_dir, data_cfg.train_split)
+    jpeg_only = data_cfg.dataset == "tfrecord" and shard_dir.holds_only_jpeg(data_dir, data_cfg.train_split)
 
     def prepare(*record):
         encoded, label = to_example(*record)
@@ -309,7 +198,7 @@ def _train_example_fn(data_cfg: ml_collections.ConfigDict, data_dir: str):
 
 def _eval_example_fn(data_cfg: ml_collections.ConfigDict, data_dir: str):
     """(encoded, label) -> (uint8 image, int32 label, mask 1.0): the eval crop."""
-    jpeg_only = data_cfg.dataset == "tfrecord" and holds_only_jpeg(data_dir, data_cfg.eval_split)
+    jpeg_only = data_cfg.dataset == "tfrecord" and shard_dir.holds_only_jpeg(data_dir, data_cfg.eval_split)
 
     def prepare(encoded, label):
         image = preprocess.eval_preprocess(
@@ -350,7 +239,7 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
             records = _tfds_records(data_cfg, data_cfg.train_split, input_context, seed=shuffle_seed, shuffle_files=True)
             records = records.repeat()
         else:
-            records = _worker_records(list_shards(data_dir, data_cfg.train_split), data_cfg, input_context, shuffle_seed)
+            records = _worker_records(shard_dir.list_shards(data_dir, data_cfg.train_split), data_cfg, input_context, shuffle_seed)
         prepare = _train_example_fn(data_cfg, data_dir)
         if data_cfg.shuffle_buffer > 1:
             # The records, before parsing: the smallest form an example takes here. Holding 10,000 of
@@ -376,8 +265,8 @@ def _eval_records(data_cfg, data_dir: str, input_context) -> tf.data.Dataset:
     if data_cfg.dataset == "tfds":
         ds = _tfds_records(data_cfg, data_cfg.eval_split, None, seed=0, shuffle_files=False)
     else:
-        files = list_shards(data_dir, data_cfg.eval_split)
-        require_present(files, data_dir, f"of {data_cfg.eval_split} (every worker evaluates from every file)")
+        files = shard_dir.list_shards(data_dir, data_cfg.eval_split)
+        shard_dir.require_present(files, data_dir, f"of {data_cfg.eval_split} (every worker evaluates from every file)")
         # A deterministic interleave: parallel reads, yet every worker numbers the examples alike.
         ds = tf.data.Dataset.from_tensor_slices(files).interleave(
             lambda f: tf.data.TFRecordDataset(f, buffer_size=_READ_BUFFER_BYTES),
@@ -432,7 +321,7 @@ def explain_read_error(err: tf.errors.OpError, data_cfg: ml_collections.ConfigDi
     `split` pipeline; None when `err` is no data fault (re-raise it) or the data are not shards."""
     if data_cfg.dataset != "tfrecord":
         return None
-    read = list_shards(data_dir, split)
+    read = shard_dir.list_shards(data_dir, split)
     if split == data_cfg.eval_split:
         advice = "Evaluation never skips an image (its counts are exact): re-convert or remove that record"
     else:
@@ -444,5 +333,5 @@ def explain_read_error(err: tf.errors.OpError, data_cfg: ml_collections.ConfigDi
     # The whole image, not the step's crop: a JPEG cut short decodes in a random window above the cut,
     # so the crop that failed may not fail again, and the scan must not depend on that luck.
     decode_all = lambda record: preprocess.decode_full(parse(record)[0])  # noqa: E731
-    present = [p for p in read if not is_staged_copy(data_dir) or os.path.exists(p)]  # a node's partial copy
+    present = [p for p in read if not shard_dir.is_staged_copy(data_dir) or os.path.exists(p)]  # a node's partial copy
     return faults.explain(err, present, decode_all, advice)

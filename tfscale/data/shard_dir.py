@@ -1,0 +1,125 @@
+"""Where a run's shards are: a split's shard list (staged copies included), the checks against the
+conversion manifest, and staging to node-local disk before a run (`prepare_data_dir`).
+
+TensorFlow is used only through tf.io.gfile, so shard directories on remote file systems work too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+import tensorflow as tf
+
+from tfscale import io as tfio
+from tfscale.config import ConfigError
+from tfscale.data import stage
+
+
+def list_shards(data_dir: str, split: str) -> list[str]:
+    """Sorted paths of the shards of `split` in `data_dir`; a clear error when there are none.
+
+    The files `{split}-*-of-*`, or in a staged copy every shard of the source it was staged from, present
+    or not: a node's copy may hold only the train shards its workers read, and every worker must
+    number the files as in the full directory to pick its own (see `require_present`).
+    """
+    if not tf.io.gfile.isdir(data_dir):
+        raise FileNotFoundError(f"config.data.data_dir={data_dir!r} is not a directory")
+    staged = stage.read_shard_list(data_dir, split)
+    files = ([os.path.join(data_dir, name) for name in staged] if staged
+             else sorted(tf.io.gfile.glob(os.path.join(data_dir, f"{split}-*-of-*"))))
+    if not files:
+        raise FileNotFoundError(f"no TFRecord shards named {split}-*-of-* in {data_dir}")
+    return files
+
+
+def is_staged_copy(data_dir: str) -> bool:
+    """A staging destination (node-local, so plain os): its shard lists may name files it does not hold."""
+    return os.path.exists(os.path.join(data_dir, stage.SHARD_LIST_FILE))
+
+
+def require_present(paths: list[str], data_dir: str, what: str) -> None:
+    """FileNotFoundError naming a shard of `paths` that a staged copy lacks (and how many it lacks).
+
+    Elsewhere the paths come from a glob and exist: no per-file stat (slow on remote storage).
+    """
+    if not is_staged_copy(data_dir):
+        return
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} of the {len(paths)} shards {what} are missing in the staged copy {data_dir}, e.g. "
+            f"{os.path.basename(missing[0])}: it holds the train shards of the workers it was staged for, so "
+            "tools/stage_data.py --num_workers/--worker_ranks/--assignment must match the training run")
+
+
+def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, split: str,
+                           num_examples: int, *, allow_missing: bool = False) -> None:
+    """Cross-checks config and shards with the conversion manifest, when there is one.
+
+    allow_missing: shards that are not there are not an error (a partial staged copy); those
+    that are must still have the manifest's size.
+    """
+    where = tfio.find_manifest(data_dir, split)
+    manifest = tfio.read_manifest_file(where) if where else None
+    if manifest is None:
+        return  # shards from other tools: the per-example label check still guards the labels
+    for key, ours, theirs in (
+        ("data.num_classes", data_cfg.num_classes, manifest["num_classes"]),
+        ("data.label_offset", data_cfg.label_offset, manifest["label_offset"]),
+        (f"data.num_{'train' if split == data_cfg.train_split else 'eval'}_examples", num_examples,
+         manifest["num_examples"]),
+    ):
+        if ours != theirs:
+            # A config error (the run stops on a one-line FATAL naming key, value and manifest), not a traceback.
+            raise ConfigError(f"config.{key}={ours} but {where} says {theirs}")
+    for shard in manifest["shards"]:
+        path = os.path.join(data_dir, shard["name"])
+        if not tf.io.gfile.exists(path):
+            if allow_missing:
+                continue
+            raise FileNotFoundError(f"shard {path} listed in {where} is missing")
+        size = tf.io.gfile.stat(path).length
+        if size != shard["bytes"]:
+            raise ValueError(f"shard {path} has {size} bytes but {where} says {shard['bytes']}: truncated or corrupt")
+
+
+def holds_only_jpeg(data_dir: str, split: str) -> bool:
+    """True when the split's manifest says every record is a JPEG (shards written by tfscale-convert).
+
+    Shards from other tools may hold PNGs or CMYK JPEGs under .JPEG names: they get the format branch.
+    """
+    where = tfio.find_manifest(data_dir, split)
+    manifest = tfio.read_manifest_file(where) if where else None
+    return bool(manifest) and manifest.get("image_format") == "jpeg"
+
+
+def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples: int, num_eval_examples: int,
+                     worker_ranks: tuple[int, ...] | None = None, num_workers: int | None = None) -> str:
+    """The directory to read shards from: staged to `data.stage_dir` first when set; checked.
+
+    Staging copies every eval shard and, with `worker_ranks` (of `num_workers`), only the train shards
+    those workers read under data.assignment; without them every shard (how train.py and benchmark.py
+    call it: a worker learns its rank only after staging has begun).
+    A staged copy may lack other workers' train shards: each worker checks its own when it builds
+    its dataset. Anywhere else every shard must be there.
+    """
+    if data_cfg.dataset != "tfrecord":
+        return data_cfg.data_dir
+    data_dir = data_cfg.data_dir
+    if data_cfg.stage_dir:
+        readers = None
+        # Evaluating on the train split reads every file of it on every worker: then stage it whole.
+        if worker_ranks is not None and data_cfg.eval_split != data_cfg.train_split:
+            readers = stage.Readers(tuple(worker_ranks), num_workers, data_cfg.assignment, data_cfg.copies,
+                                    data_cfg.assignment_level)
+        data_dir = stage.stage(data_dir, data_cfg.stage_dir, splits=(data_cfg.train_split, data_cfg.eval_split),
+                               train_split=data_cfg.train_split, readers=readers).dest_dir
+    for split, num_examples in ((data_cfg.train_split, num_train_examples), (data_cfg.eval_split, num_eval_examples)):
+        # Train shards of a staged copy may be another node's: each worker checks its own in _worker_records.
+        partial = split == data_cfg.train_split != data_cfg.eval_split and is_staged_copy(data_dir)
+        shards = list_shards(data_dir, split)
+        if not partial:
+            require_present(shards, data_dir, f"of {split}")
+        check_against_manifest(data_cfg, data_dir, split, num_examples, allow_missing=partial)
+    return data_dir
