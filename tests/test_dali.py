@@ -205,6 +205,27 @@ def test_eval_is_deterministic_and_counts_every_example_once(photo_shards):
     assert sorted(seen) == list(range(NUM_PHOTOS))
 
 
+@pytest.mark.slow
+def test_two_workers_reading_different_dali_batches_end_with_identical_weights(photo_shards, tmp_path):
+    """2 MWMS workers, each its own shards through DALI (disjoint files): the all-reduce keeps them equal."""
+    from test_multiworker import assert_weights_close, weights
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1", "--",
+         os.path.join(REPO, "tests", "helpers", "train_and_dump.py"), str(tmp_path / "w{rank}.npz"),
+         "--config=configs/smoke.py", f"--workdir={tmp_path / 'run'}", "--config.distribute.backend=mwms",
+         "--config.data.dataset=tfrecord", f"--config.data.data_dir={photo_shards['four']}",
+         "--config.data.loader=dali", "--config.data.label_offset=1", f"--config.data.num_classes={NUM_PHOTOS}",
+         f"--config.data.num_train_examples={NUM_PHOTOS}", f"--config.data.num_eval_examples={NUM_PHOTOS}",
+         "--config.data.eval_split=train", "--config.data.global_batch_size=10", "--config.train.epochs=4"],
+        cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, without_tf_import_notices(result.stdout[-3000:] + result.stderr[-3000:])
+    final = [weights(tmp_path / f"w{rank}.npz") for rank in (0, 1)]
+    assert_weights_close(final[0], final[1], rtol=0, atol=0)
+    initial = weights(tmp_path / "w0_init.npz")
+    assert max(float(np.abs(a - b).max()) for a, b in zip(final[0], initial)) > 1e-3  # it trained
+
+
 # --- set-up errors ----------------------------------------------------------------------------------------------
 
 
