@@ -41,7 +41,7 @@ dali: $(DALI_STAMP)
 $(DALI_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -c requirements/constraints-cpu.txt -e ".[dali]" wheel
 	$(PY) -m pip install --quiet --no-build-isolation -c requirements/constraints-cpu.txt nvidia-dali-tf-plugin-cuda120
-	$(PY) -c "import nvidia.dali.plugin.tf" 2> /dev/null && echo "dali: $$($(PY) -c 'import nvidia.dali; print(nvidia.dali.__version__)') with its TensorFlow plugin"
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -c "import nvidia.dali.plugin.tf" && echo "dali: $$($(PY) -c 'import nvidia.dali; print(nvidia.dali.__version__)') with its TensorFlow plugin"
 	touch $@
 
 # Rewritten only when its content changes, so that Horovod is rebuilt only then.
