@@ -41,7 +41,8 @@ dali: $(DALI_STAMP)
 $(DALI_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -c requirements/constraints-cpu.txt -e ".[dali]" wheel
 	$(PY) -m pip install --quiet --no-build-isolation -c requirements/constraints-cpu.txt nvidia-dali-tf-plugin-cuda120
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -c "import nvidia.dali.plugin.tf" && echo "dali: $$($(PY) -c 'import nvidia.dali; print(nvidia.dali.__version__)') with its TensorFlow plugin"
+	@out=$$($(PY) -c "import nvidia.dali.plugin.tf" 2>&1) || { echo "$$out" >&2; exit 1; }  # TensorFlow's chatter only on failure
+	@echo "dali: $$($(PY) -c 'import nvidia.dali; print(nvidia.dali.__version__)') with its TensorFlow plugin"
 	touch $@
 
 # Rewritten only when its content changes, so that Horovod is rebuilt only then.
