@@ -209,7 +209,7 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
 
         dali_rate, tfdata_rate = result["tfscale_dali_images_per_sec"], result["tfscale_images_per_sec"]
         result["tfscale_dali_vs_tfdata"] = round(dali_rate / tfdata_rate, 3)
-        result["dali_decode"] = dali.decode_device(cfg.data)
+        result["dali_decode"] = dali.decode_device(cfg.data.dali_decode, len(tf.config.get_visible_devices("GPU")))
     result.update(global_batch_size=cfg.data.global_batch_size, image_size=cfg.data.image_size,
                   shuffle_buffer=cfg.data.shuffle_buffer,
                   num_batches=bench.num_batches, num_warmup_batches=bench.num_warmup_batches)

@@ -79,10 +79,14 @@ class StrategyCollectives(Collectives):
     saving_is_collective = True
     averages_gradients = False
 
-    def __init__(self, strategy: tf.distribute.Strategy, device_prefetch_batches: int = 1, household_size: int = 0):
+    def __init__(self, strategy: tf.distribute.Strategy, device_prefetch_batches: int = 1, household_size: int = 0,
+                 communication_hint: str = "auto"):
         self.strategy = strategy
         self.input_options = device_input_options(device_prefetch_batches)
         self.household_size = household_size  # replicas per household (0: no households, everyone)
+        # The household all-reduce is a raw collective op: it gets the strategy's implementation
+        # ("nccl" on GPUs) as its hint, or TensorFlow would reduce it over rings (tfscale.devices).
+        self.communication_hint = communication_hint
         # One instance key per traced call site, as MWMS allocates its own: every worker traces the
         # same functions in the same order, so they agree on the keys.
         self._household_instance_keys = itertools.count(_HOUSEHOLD_INSTANCE_KEY)
@@ -120,7 +124,8 @@ class StrategyCollectives(Collectives):
         mean = collective_ops.all_reduce_v2(
             flat, group_size=self.household_size,
             group_key=_HOUSEHOLD_GROUP_KEY_BASE + tf.cast(replica, tf.int32) // self.household_size,
-            instance_key=next(self._household_instance_keys), merge_op="Add", final_op="Div")
+            instance_key=next(self._household_instance_keys), merge_op="Add", final_op="Div",
+            communication_hint=self.communication_hint)
         pieces = tf.split(mean, [int(np.prod(v.shape)) for v in values])
         return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, values)]
 
@@ -163,8 +168,12 @@ class HorovodCollectives(Collectives):
         self.input_options = device_input_options(device_prefetch_batches)
 
     def gradients_for_apply(self, grads):
-        compression = self.hvd.Compression.fp16 if self.fp16_allreduce else self.hvd.Compression.none
-        return self.hvd.grouped_allreduce(grads, op=self.hvd.Average, compression=compression)
+        if not self.fp16_allreduce:
+            return self.hvd.grouped_allreduce(grads, op=self.hvd.Average)
+        # hvd.Average divides after summing: N loss-scaled float16 gradients would overflow N times
+        # sooner (float16 ends at 65504). Each rank scales its share by 1/N first, then they are summed.
+        return self.hvd.grouped_allreduce(grads, op=self.hvd.Sum, prescale_factor=1.0 / self.hvd.size(),
+                                          compression=self.hvd.Compression.fp16)
 
     def standalone_gradient_all_reduce(self, grads):
         return self.gradients_for_apply(grads)

@@ -180,13 +180,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribute.connect_timeout_s = 300.0  # all workers must answer within this, else a message and exit
     c.distribute.heartbeat_timeout_s = 60.0  # mwms: a worker silent this long is dead; the rest fail
     c.distribute.collective_timeout_s = 0.0  # abort any single all-reduce after this long (0: no limit)
-    c.distribute.collective_impl = "AUTO"  # AUTO | RING | NCCL (NCCL on GPU clusters)
+    c.distribute.collective_impl = "AUTO"  # AUTO (NCCL where the worker has a GPU, else rings) | RING | NCCL
     c.distribute.device_prefetch_batches = 2  # batches per replica copied to the GPU ahead of the step (tf.distribute InputOptions)
     c.distribute.pack_bytes = 0  # all-reduce packing: bytes per pack (0: TensorFlow's default)
     c.distribute.port_base = 0  # Slurm without TF_CONFIG: first worker port on each node (0: derived from SLURM_JOB_ID and SLURM_STEP_ID)
     c.distribute.horovod_fusion_bytes = 0  # horovod: tensor-fusion buffer, HOROVOD_FUSION_THRESHOLD (0: 128 MiB)
     c.distribute.horovod_cycle_time_ms = 0.0  # horovod: wait to fuse tensors, HOROVOD_CYCLE_TIME (0: Horovod's)
-    c.distribute.horovod_fp16_allreduce = False  # horovod: send gradients as float16 (half the traffic)
+    c.distribute.horovod_fp16_allreduce = False  # horovod + mixed_float16: send gradients as float16 (half the traffic; prescaled by 1/ranks)
     c.distribute.sync = "gradients"  # gradients (all-reduce every step) | local_sgd (local steps, weights averaged every sync_period)
     c.distribute.sync_period = 8  # local_sgd: L_W, steps between world syncs (one fused all-reduce of weights and slots)
     c.distribute.sync_slots = True  # local_sgd: average optimizer slots (momentum) with the weights at each world sync
@@ -208,6 +208,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 # `--config=configs/r50_32gpu.py:amp`: the ResNet-50 recipes as GPU clusters run them (docs/gpu.md).
 GPU_VARIANTS = {
+    "xla": "float32",  # the published float32 recipe, XLA-compiled: what NVIDIA's FP32/TF32 figures ran
     "amp": "mixed_float16",  # V100-class and newer: float16 Tensor Cores, dynamic loss scaling
     "amp_bf16": "mixed_bfloat16",  # A100/H100: bfloat16 keeps float32's range, no loss scaling
 }
@@ -217,9 +218,11 @@ def gpu_variant(c: ml_collections.ConfigDict, variant: str | None, recipe: str) 
     """`c` unchanged (float32, the recipe as published) or its fast GPU variant (`GPU_VARIANTS`).
 
     The variant changes how each step runs, never what it computes on paper: global batch, LR
-    schedule and epochs stay the recipe's. Mixed precision, XLA on the gradient step, NHWC tensors
-    (cuDNN's Tensor Core kernels want channels_last), 100 steps per host sync, and NCCL for
-    MultiWorkerMirroredStrategy's all-reduces (MirroredStrategy and Horovod use NCCL on GPUs anyway).
+    schedule and epochs stay the recipe's. Its precision, XLA on the gradient step (Keras 3's
+    BatchNormalization is unfused without it), NHWC tensors (cuDNN's Tensor Core kernels want
+    channels_last) and 100 steps per host sync. Nothing here depends on another key, so `--config.*`
+    overrides, applied after the variant (e.g. the backend make_sbatch sets), cannot contradict it;
+    NCCL is each worker's own choice at run time (`tfscale.devices.collective_implementation`).
     """
     if not variant:
         return c
@@ -230,8 +233,6 @@ def gpu_variant(c: ml_collections.ConfigDict, variant: str | None, recipe: str) 
     c.jit_compile = True
     c.model.data_format = "channels_last"
     c.train.steps_per_loop = 100
-    if c.distribute.backend == "mwms":
-        c.distribute.collective_impl = "NCCL"
     return c
 
 
@@ -398,6 +399,8 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
             "synchronized BatchNormalization cannot see other Horovod ranks. Set config.model.sync_bn=False "
             "(each rank normalises over its own batch, as in Horovod's ResNet examples)"
         )
+    _check_xla_sync_bn(cfg)
+    _check_horovod_fp16(cfg)
     eval_batch = eval_global_batch_size(cfg.data)
     if eval_batch <= 0:
         raise ConfigError(f"config.data.eval_global_batch_size must be > 0 or -1, got {eval_batch}")
@@ -420,6 +423,32 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
             "config.data.global_batch_size=%d exceeds %d with config.optim.name=%r: expect an accuracy "
             "loss; large-batch recipes use LARS (see configs/r50_lars_32k.py)",
             cfg.data.global_batch_size, LARGE_BATCH_WITHOUT_LARS, cfg.optim.name,
+        )
+
+
+def _check_xla_sync_bn(cfg: ml_collections.ConfigDict) -> None:
+    """Synchronized BatchNorm all-reduces in the forward pass, i.e. inside the XLA-compiled function.
+
+    Under MultiWorkerMirroredStrategy that is a cross-worker collective inside XLA, which TensorFlow
+    does not support (tensorflow#58961; on CPU: "Collectives are not yet implemented for CPU devices
+    when compiling with XLA", measured with 2 workers).
+    """
+    if cfg.model.sync_bn and cfg.jit_compile and cfg.distribute.backend == "mwms":
+        raise ConfigError(
+            "config.model.sync_bn=True with config.jit_compile=True under config.distribute.backend='mwms': "
+            "synchronized BatchNorm would all-reduce across workers inside the XLA-compiled step, which "
+            "TensorFlow does not support. Set config.jit_compile=False (keep exact global-batch statistics) or "
+            "config.model.sync_bn=False (per-replica statistics, as NVIDIA's and Model Garden's ResNet-50 runs)"
+        )
+
+
+def _check_horovod_fp16(cfg: ml_collections.ConfigDict) -> None:
+    """float16 on the wire only for loss-scaled float16 gradients (the others underflow in float16)."""
+    if cfg.distribute.horovod_fp16_allreduce and cfg.precision != "mixed_float16":
+        raise ConfigError(
+            f"config.distribute.horovod_fp16_allreduce=True with config.precision={cfg.precision!r}: only "
+            "mixed_float16 gradients are loss-scaled, others below float16's 6e-8 would reach the all-reduce as 0. "
+            "Use config.precision='mixed_float16', or config.distribute.horovod_fp16_allreduce=False"
         )
 
 

@@ -63,7 +63,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfscale import local_sgd, logs
+from tfscale import devices, local_sgd, logs
 from tfscale.collectives import Collectives, HorovodCollectives, InputFn, StrategyCollectives
 from tfscale.config import BACKENDS, HOROVOD_INSTALL_HINT
 # The Slurm side of reading the environment; re-exported, as callers know them as `distribute.<name>`.
@@ -86,6 +86,7 @@ class Cluster:
     local_rank: int  # index among the workers on this host
     num_replicas: int  # model replicas over all workers (one per device)
     host: str
+    all_reduce: str  # how gradients are all-reduced across replicas, for the topology line (e.g. "NCCL")
     _collectives: Collectives = dataclasses.field(repr=False, compare=False)
 
     @property
@@ -183,10 +184,10 @@ class Cluster:
 def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Cluster:
     """Builds the strategy for `dist_cfg.backend`, checks the cluster answers, logs the topology."""
     env = dict(os.environ if env is None else env)
-    if dist_cfg.backend == "one_device":
-        cluster = _strategy_cluster(dist_cfg, _one_device_strategy(), env)
-    elif dist_cfg.backend == "mirrored":
-        cluster = _strategy_cluster(dist_cfg, _mirrored_strategy(dist_cfg), env)
+    if dist_cfg.backend in ("one_device", "mirrored"):
+        gpus = devices.prepare_gpus(local_rank=None)  # memory growth; this process uses every GPU it sees
+        strategy = _one_device_strategy() if dist_cfg.backend == "one_device" else _mirrored_strategy(dist_cfg)
+        cluster = _strategy_cluster(dist_cfg, strategy, env, num_gpus=len(gpus))
     elif dist_cfg.backend == "mwms":
         cluster = _multi_worker_cluster(dist_cfg, env)
     elif dist_cfg.backend == "horovod":
@@ -200,8 +201,9 @@ def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Clust
 
 
 def _strategy_cluster(dist_cfg: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, env: dict,
-                      tf_config: dict | None = None) -> Cluster:
+                      tf_config: dict | None = None, num_gpus: int = 0) -> Cluster:
     """A tf.distribute job: one worker, or the workers of `tf_config`."""
+    implementation = devices.collective_implementation(dist_cfg.collective_impl, num_gpus)
     return Cluster(
         backend=dist_cfg.backend,
         strategy=strategy,
@@ -210,9 +212,20 @@ def _strategy_cluster(dist_cfg: ml_collections.ConfigDict, strategy: tf.distribu
         local_rank=local_rank_from_env(env),
         num_replicas=strategy.num_replicas_in_sync,
         host=socket.gethostname(),
+        all_reduce=_strategy_all_reduce(dist_cfg.backend, strategy.num_replicas_in_sync, implementation),
         _collectives=StrategyCollectives(strategy, dist_cfg.device_prefetch_batches,
-                                         household_size=_household_size(dist_cfg, strategy.num_replicas_in_sync)),
+                                         household_size=_household_size(dist_cfg, strategy.num_replicas_in_sync),
+                                         communication_hint=devices.communication_hint(implementation)),
     )
+
+
+def _strategy_all_reduce(backend: str, num_replicas: int, implementation: str) -> str:
+    """What reduces gradients: MWMS's collective implementation, MirroredStrategy's cross-device op, or nothing."""
+    if num_replicas == 1:
+        return "none (one replica)"
+    if backend == "mirrored":  # MirroredStrategy picks NcclAllReduce on GPUs itself; CPU devices get _mirrored_strategy's
+        return "NCCL" if implementation == "NCCL" else "ReductionToOneDevice"
+    return implementation if implementation != "AUTO" else "AUTO (TensorFlow's rings)"
 
 
 def _household_size(dist_cfg: ml_collections.ConfigDict, num_replicas: int) -> int:
@@ -225,12 +238,15 @@ def _household_size(dist_cfg: ml_collections.ConfigDict, num_replicas: int) -> i
 
 def _multi_worker_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
     tf_config = _resolve_tf_config(dist_cfg, env)
-    strategy = _multi_worker_strategy(dist_cfg, tf_config, local_rank_from_env(env))
-    return _strategy_cluster(dist_cfg, strategy, env, tf_config)
+    # One GPU per worker process in a cluster; a one-worker job (no cluster) mirrors over every local GPU.
+    gpus = devices.prepare_gpus(local_rank_from_env(env) if tf_config else None, host=socket.gethostname())
+    implementation = devices.collective_implementation(dist_cfg.collective_impl, len(gpus))
+    strategy = _multi_worker_strategy(dist_cfg, tf_config, implementation)
+    return _strategy_cluster(dist_cfg, strategy, env, tf_config, num_gpus=len(gpus))
 
 
 def _horovod_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
-    hvd = _init_horovod(dist_cfg, env)
+    hvd, num_gpus = _init_horovod(dist_cfg, env)
     strategy = _one_device_strategy()
     return Cluster(
         backend=dist_cfg.backend,
@@ -240,10 +256,22 @@ def _horovod_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
         local_rank=hvd.local_rank(),
         num_replicas=hvd.size(),
         host=socket.gethostname(),
+        all_reduce=_horovod_all_reduce(hvd, num_gpus, dist_cfg.horovod_fp16_allreduce),
         _collectives=HorovodCollectives(hvd, strategy, fp16_allreduce=dist_cfg.horovod_fp16_allreduce,
                                         device_prefetch_batches=dist_cfg.device_prefetch_batches,
                                         household=_horovod_household(hvd, dist_cfg)),
     )
+
+
+def _horovod_all_reduce(hvd, num_gpus: int, fp16: bool) -> str:
+    """Horovod's all-reduce as this rank runs it: NCCL on its GPU, else MPI or Gloo on host memory."""
+    if hvd.size() == 1:
+        return "none (one replica)"
+    if num_gpus and hvd.nccl_built():
+        where = "NCCL"
+    else:
+        where = f"horovod {'MPI' if hvd.mpi_enabled() else 'Gloo'} (host memory)"
+    return where + (", float16 on the wire" if fp16 else "")
 
 
 def _horovod_household(hvd, dist_cfg: ml_collections.ConfigDict):
@@ -256,10 +284,11 @@ def _horovod_household(hvd, dist_cfg: ml_collections.ConfigDict):
 
 
 def _topology_line(cluster: Cluster) -> str:
-    devices = ",".join(cluster.strategy.extended.worker_devices)
+    worker_devices = ",".join(cluster.strategy.extended.worker_devices)
     return (
         f"tfscale worker rank={cluster.rank}/{cluster.size} local_rank={cluster.local_rank} host={cluster.host} "
-        f"backend={cluster.backend} replicas={cluster.num_replicas} devices={devices}"
+        f"backend={cluster.backend} replicas={cluster.num_replicas} devices={worker_devices} "
+        f"all-reduce={cluster.all_reduce} cores={devices.describe_cores()}"
     )
 
 
@@ -571,12 +600,13 @@ def _warn_default_heartbeat(reason: str) -> None:
     )
 
 
-def _communication_options(dist_cfg: ml_collections.ConfigDict) -> tf.distribute.experimental.CommunicationOptions:
-    implementation = getattr(tf.distribute.experimental.CommunicationImplementation, dist_cfg.collective_impl)
+def _communication_options(dist_cfg: ml_collections.ConfigDict,
+                           implementation: str) -> tf.distribute.experimental.CommunicationOptions:
+    """MWMS's all-reduce options; `implementation` is `devices.collective_implementation`'s choice (AUTO resolved)."""
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=dist_cfg.pack_bytes,
         timeout_seconds=dist_cfg.collective_timeout_s or None,
-        implementation=implementation,
+        implementation=getattr(tf.distribute.experimental.CommunicationImplementation, implementation),
     )
 
 
@@ -656,8 +686,8 @@ def check_horovod_size(size: int, env: dict, controller: str) -> None:
                        "(slurm/horovod.sbatch LAUNCHER=horovodrun-gloo)")
 
 
-def _init_horovod(dist_cfg: ml_collections.ConfigDict, env: dict) -> Any:
-    """horovod.tensorflow, initialised with the config's knobs, this rank's GPU pinned and every rank answering."""
+def _init_horovod(dist_cfg: ml_collections.ConfigDict, env: dict) -> tuple[Any, int]:
+    """(horovod.tensorflow initialised with the config's knobs, every rank answering; GPUs this rank keeps: 0 or 1)."""
     hvd = import_horovod()
     knobs = _horovod_environment(dist_cfg, env)
     os.environ.update(knobs)
@@ -674,9 +704,12 @@ def _init_horovod(dist_cfg: ml_collections.ConfigDict, env: dict) -> Any:
     check_horovod_size(hvd.size(), env, controller)
     if hvd.rank() == 0:
         logging.info("horovod: %d ranks, %s controller", hvd.size(), controller)
-    _pin_gpu(hvd.local_rank())
+    gpus = devices.prepare_gpus(hvd.local_rank(), host=socket.gethostname())
+    host_copies = devices.horovod_host_copy_warning(len(gpus), hvd.nccl_built())
+    if host_copies:
+        logging.warning("horovod: %s", host_copies)
     preflight_horovod(hvd)
-    return hvd
+    return hvd, len(gpus)
 
 
 # --- strategies ------------------------------------------------------------------------------------
@@ -697,15 +730,6 @@ def _split_cpu(num_devices: int) -> list[str]:
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
-def _pin_gpu(local_rank: int) -> None:
-    """One GPU per worker process, chosen by local rank (when the scheduler left several visible)."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if len(gpus) > 1:
-        tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")
-    for gpu in tf.config.list_physical_devices("GPU"):
-        tf.config.experimental.set_memory_growth(gpu, True)
-
-
 def _one_device_strategy() -> tf.distribute.Strategy:
     gpus = tf.config.list_logical_devices("GPU")
     return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
@@ -720,11 +744,13 @@ def _mirrored_strategy(dist_cfg: ml_collections.ConfigDict) -> tf.distribute.Str
     return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
-def _multi_worker_strategy(dist_cfg, tf_config: dict | None, local_rank: int) -> tf.distribute.Strategy:
+def _multi_worker_strategy(dist_cfg, tf_config: dict | None, implementation: str) -> tf.distribute.Strategy:
+    """MultiWorkerMirroredStrategy over `tf_config`'s workers (None: this process alone), all-reducing with
+    `implementation`; this worker's GPU is already chosen (`devices.prepare_gpus`)."""
+    options = _communication_options(dist_cfg, implementation)
     if tf_config is None:  # not in a cluster: a one-worker MWMS job, handy for testing the path
-        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=_communication_options(dist_cfg))
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     os.environ["TF_CONFIG"] = json.dumps(tf_config)  # what TFConfigClusterResolver reads
-    _pin_gpu(local_rank)
     addresses, own_index = tf_config["cluster"]["worker"], tf_config["task"]["index"]
     _check_cluster_addresses(addresses, own_index)
     timeout_s = dist_cfg.connect_timeout_s
@@ -735,7 +761,7 @@ def _multi_worker_strategy(dist_cfg, tf_config: dict | None, local_rank: int) ->
     with _exit_on_signal(WATCHDOG_SIGNAL, EXIT_CLUSTER_UNAVAILABLE):
         watchdog = _start_watchdog(backstop_s, timeout_s, addresses, own_index)
         try:
-            strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=_communication_options(dist_cfg))
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
             step = "the pre-flight all-reduce"
             preflight_all_reduce(strategy)
         except tf.errors.OpError as err:

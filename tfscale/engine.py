@@ -55,12 +55,30 @@ def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Clus
     tfs_config.validate(cfg)
     cluster = distribute.setup(cfg.distribute)
     tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
+    _check_xla_sync_bn_devices(cfg, cluster.strategy.extended.worker_devices)
     if before_data is not None:
         before_data(cluster)
     data_dir = shard_dir.prepare_data_dir(
         cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples
     )
     return Run(cfg=cfg, cluster=cluster, steps=tfs_config.to_steps(cfg, num_workers=cluster.size), data_dir=data_dir)
+
+
+def _check_xla_sync_bn_devices(cfg: ml_collections.ConfigDict, worker_devices) -> None:
+    """Synchronized BatchNorm inside an XLA-compiled step needs GPU replicas (config refuses it for mwms).
+
+    MirroredStrategy all-reduces inside XLA without a merge_call only when every device is a GPU
+    (tensorflow/python/distribute/mirrored_strategy.py `_use_merge_call`); on CPU devices the step
+    fails at trace time with "`merge_call` called while defining a new graph" (measured).
+    """
+    replicas = list(worker_devices)
+    if not (cfg.model.sync_bn and cfg.jit_compile and len(replicas) > 1):
+        return
+    if not all(tf.DeviceSpec.from_string(device).device_type == "GPU" for device in replicas):
+        raise tfs_config.ConfigError(
+            f"config.model.sync_bn=True with config.jit_compile=True on replicas {', '.join(replicas)}: synchronized "
+            "BatchNorm can all-reduce inside an XLA-compiled step only between GPUs. Set config.jit_compile=False "
+            "or config.model.sync_bn=False")
 
 
 # --- model and optimizer ----------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import socket
 import sys
 from typing import Sequence
 
+from tfscale import devices
 from tfscale.config import HOROVOD_INSTALL_HINT
 from tfscale.supervise import SignalRecorder, run_workers, say
 
@@ -68,11 +69,8 @@ def free_ports(n: int) -> list[int]:
 
 
 def available_cores() -> int:
-    """Cores this process may run on (Slurm and taskset restrict the affinity mask, not cpu_count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """Cores this process may run on: its affinity mask (Slurm, taskset), capped by SLURM_CPUS_PER_TASK."""
+    return devices.usable_cores()
 
 
 def default_threads_per_worker(num_workers: int) -> int:

@@ -34,12 +34,12 @@ records are shuffled through DALI's buffer (files in a fixed order), not reshuff
 
 from __future__ import annotations
 
-import os
 
 import ml_collections
 import tensorflow as tf
 from absl import logging
 
+from tfscale import devices
 from tfscale.config import DALI_INSTALL_HINT, ConfigError
 from tfscale.data import assignment, dali_index, faults, pipeline, preprocess, shard_dir
 
@@ -57,19 +57,41 @@ _SUPPORTED_EXAMPLE_LEVEL = ("disjoint", "full")
 _READER = "Reader"
 
 
-def decode_device(data_cfg: ml_collections.ConfigDict) -> str:
-    """"mixed" (GPU decoding) or "cpu" for `data.dali_decode`; auto picks mixed when a GPU is visible."""
-    has_gpu = bool(tf.config.list_physical_devices("GPU"))
-    if data_cfg.dali_decode == "mixed" and not has_gpu:
-        raise ConfigError("config.data.dali_decode='mixed' decodes on a GPU and this process sees none: "
-                          "use 'cpu' (or 'auto')")
-    if data_cfg.dali_decode == "auto":
-        return "mixed" if has_gpu else "cpu"
-    return data_cfg.dali_decode
+def decode_device(dali_decode: str, num_gpus: int, local_replicas: int = 1) -> str:
+    """"mixed" (GPU decoding) or "cpu" for `data.dali_decode`, given this worker's GPUs and replicas.
+
+    A worker's DALI pipeline decodes on one GPU (`_gpu_ordinal`) and feeds all of its replicas, so GPU
+    decoding needs one replica per worker process (mwms, horovod; or a one-GPU process): under
+    `mirrored` on a node of G GPUs, GPU 0 would decode for all G while also training. `auto` then
+    decodes on the CPU, and says so; `mixed` is refused.
+    """
+    if dali_decode == "cpu":
+        return "cpu"
+    if num_gpus == 0:
+        if dali_decode == "mixed":
+            raise ConfigError("config.data.dali_decode='mixed' decodes on a GPU and this process sees none: "
+                              "use 'cpu' (or 'auto')")
+        return "cpu"
+    if local_replicas > 1:
+        why = (f"this worker process feeds {local_replicas} replicas (config.distribute.backend='mirrored'?) from one "
+               "DALI pipeline, whose GPU decoding would run on one of their GPUs")
+        if dali_decode == "mixed":
+            raise ConfigError(f"config.data.dali_decode='mixed': {why}. Run one process per GPU "
+                              "(config.distribute.backend='mwms' or 'horovod'), or use config.data.dali_decode='cpu'")
+        logging.warning("DALI decodes on the CPU (config.data.dali_decode='auto'): %s; for GPU decoding run one "
+                        "process per GPU (config.distribute.backend='mwms' or 'horovod')", why)
+        return "cpu"
+    return "mixed"
+
+
+def _visible_gpus() -> int:
+    """GPUs this process keeps (distribute.setup has left one per worker process, or all for mirrored)."""
+    return len(tf.config.get_visible_devices("GPU"))
 
 
 def _num_threads(data_cfg: ml_collections.ConfigDict) -> int:
-    return data_cfg.dali_threads or len(os.sched_getaffinity(0))
+    """DALI's CPU threads: `data.dali_threads`, or the cores this process may use (SLURM_CPUS_PER_TASK-capped)."""
+    return data_cfg.dali_threads or devices.usable_cores()
 
 
 def _gpu_ordinal() -> int:
@@ -178,9 +200,11 @@ def _dataset(pipe, batch_size: int, image_size: int) -> tf.data.Dataset:
             fail_on_device_mismatch=pipe.device_id is None)
 
 
-def _pipeline_args(data_cfg: ml_collections.ConfigDict, batch_size: int, seed: int) -> dict:
+def _pipeline_args(data_cfg: ml_collections.ConfigDict, input_context: tf.distribute.InputContext,
+                   batch_size: int, seed: int) -> dict:
     """Pipeline keywords: the decode device, and the GPU (CUDA ordinal) when it is "mixed"."""
-    device = decode_device(data_cfg)
+    local_replicas = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+    device = decode_device(data_cfg.dali_decode, _visible_gpus(), local_replicas)
     return dict(device=device, batch_size=batch_size, num_threads=_num_threads(data_cfg), seed=seed,
                 device_id=_gpu_ordinal() if device == "mixed" else None,
                 exec_dynamic=True)  # DALI's executor that allows the GPU -> CPU step (`.cpu()`)
@@ -195,7 +219,7 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
                                                    rank, workers)
         shard_dir.require_present(files, data_dir, f"worker {rank} of {workers} reads")
         batch = input_context.get_per_replica_batch_size(data_cfg.global_batch_size)
-        args = _pipeline_args(data_cfg, batch, seed=pipeline.worker_seed(seed, start_step, rank))
+        args = _pipeline_args(data_cfg, input_context, batch, seed=pipeline.worker_seed(seed, start_step, rank))
         pipe = _train_pipeline(files, _indexes(data_cfg, data_dir, files), shard_id=shard_id, num_shards=num_shards,
                                data_cfg=data_cfg, **args)
         logging.info("DALI training input of worker %d: %d files, shard %d of %d, %s decoding, %d threads%s",
@@ -221,7 +245,7 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, global_batch_size: int
         indexes = _indexes(data_cfg, data_dir, files)
         batch = input_context.get_per_replica_batch_size(global_batch_size)
         pipe = _eval_pipeline(files, indexes, shard_id=rank, num_shards=workers, data_cfg=data_cfg,
-                              **_pipeline_args(data_cfg, batch, seed=0))
+                              **_pipeline_args(data_cfg, input_context, batch, seed=0))
         decoded = _dataset(pipe, batch, data_cfg.image_size)
         # The reader wraps around into the next pass: keep this worker's examples of the first one.
         real = decoded.unbatch().take(shard_size(dali_index.num_records(indexes), rank, workers)).map(

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import os
 import sys
 from typing import Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
+from tfscale import devices
+
 
 def default_num_workers() -> int:
-    """CPUs this process may use (a Slurm allocation, not the whole node), else os.cpu_count()."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
+    """CPUs this process may use (its affinity mask, capped by SLURM_CPUS_PER_TASK), not the whole node."""
+    return devices.usable_cores()
 
 
 def process_pool(num_workers: int, preload: Iterable[str]) -> concurrent.futures.ProcessPoolExecutor:

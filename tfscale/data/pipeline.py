@@ -26,6 +26,7 @@ from typing import Callable
 import ml_collections
 import tensorflow as tf
 
+from tfscale import devices
 from tfscale.data import assignment, batch_augment, faults, preprocess, shard_dir, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
@@ -160,6 +161,11 @@ def tf_data_options(data_cfg: ml_collections.ConfigDict, deterministic: bool | N
     options.deterministic = bool(data_cfg.deterministic if deterministic is None else deterministic)
     if data_cfg.private_threads:
         options.threading.private_threadpool_size = data_cfg.private_threads
+    elif (cores := devices.input_thread_cap()) is not None:
+        # A Slurm task on a node whose tasks are not bound to cores sees the whole node: its share
+        # is SLURM_CPUS_PER_TASK, and G tasks sizing their pools to the node would oversubscribe it G times.
+        options.threading.private_threadpool_size = cores
+        options.autotune.cpu_budget = cores
     if data_cfg.ram_budget_mb:
         options.autotune.ram_budget = data_cfg.ram_budget_mb << 20
     return options

@@ -1,0 +1,236 @@
+"""What tfscale decides for GPU nodes, tested with the device lists injected (this machine has no GPU).
+
+Each decision (docs/gpu.md's table) is a function of what the process sees; these tests hand it
+GPUs, local ranks and Slurm environments, and for `distribute.setup` run every backend in a real
+process whose `tf.config` reports GPUs (tests/helpers/fake_gpus.py). What stays unproven without a
+GPU (NCCL itself, memory actually left to DALI, speed) is listed in docs/gpu.md.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, load_config, run_cli
+
+from tfscale import config as tfs_config
+from tfscale import devices
+from tfscale.config import ConfigError
+
+FAKE_GPUS = os.path.join(REPO, "tests", "helpers", "fake_gpus.py")
+
+
+def setup_with_gpus(num_gpus: int, backend: str, *overrides: str, **env: str) -> dict:
+    """`distribute.setup` of `backend` in a fresh process that sees `num_gpus` GPUs; its JSON report."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TF_CONFIG", "TFSCALE_", "OMPI_"))}
+    result = subprocess.run([sys.executable, FAKE_GPUS, str(num_gpus), backend, *overrides], cwd=REPO,
+                            env={**clean, "TF_CPP_MIN_LOG_LEVEL": "2", **env}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report["stderr"] = result.stderr
+    return report
+
+
+def growth(*indices):
+    return [["memory_growth", f"/physical_device:GPU:{i}", True] for i in indices]
+
+
+# --- which GPU a worker keeps, and memory growth on every backend ----------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["one_device", "mirrored", "mwms", "horovod"])
+def test_every_backend_turns_memory_growth_on_before_its_strategy(backend):
+    report = setup_with_gpus(2, backend)
+    if backend == "horovod":  # a rank keeps its own GPU (local rank 0 of a one-rank job), then grows into it
+        assert report["calls"] == [["visible", "/physical_device:GPU:0"], *growth(0)]
+    else:  # one process for every local GPU (one_device uses the first; a one-worker MWMS mirrors over all)
+        assert report["calls"] == growth(0, 1)
+
+
+def test_a_multi_worker_mwms_worker_keeps_the_gpu_of_its_local_rank(tmp_path):
+    from tfscale import launch
+
+    port = launch.free_ports(1)[0]
+    tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}})
+    report = setup_with_gpus(4, "mwms", TF_CONFIG=tf_config, TFSCALE_LOCAL_RANK="2")
+    assert report["calls"] == [["visible", "/physical_device:GPU:2"], *growth(2)]
+
+
+def test_more_workers_than_gpus_on_a_node_stops_before_connecting():
+    workers = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]  # never contacted: the check comes first
+    tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": 2}})
+    report = setup_with_gpus(2, "mwms", TF_CONFIG=tf_config, SLURM_LOCALID="2")
+    assert report["calls"] == []
+    assert "worker with local rank 2" in report["config_error"]
+    assert "shows 2 GPUs to each worker (0-1): more worker processes than GPUs" in report["config_error"]
+    assert "--ntasks-per-node=2" in report["config_error"]
+
+
+@pytest.mark.parametrize("num_gpus, local_rank, kept", [(0, 3, None), (1, 3, None), (4, 0, 0), (4, 3, 3)])
+def test_gpu_for_local_rank(num_gpus, local_rank, kept):
+    # One visible GPU is the scheduler's choice (--gpus-per-task): kept whatever the local rank.
+    assert devices.gpu_for_local_rank(num_gpus, local_rank) == kept
+
+
+def test_gpu_for_local_rank_refuses_sharing_naming_the_host():
+    with pytest.raises(ConfigError, match=r"local rank 4 on host gpu07, which shows 4 GPUs .*at most 4 tasks per node"):
+        devices.gpu_for_local_rank(4, 4, host="gpu07")
+
+
+def test_gpu_settings_after_tensorflow_started_its_devices_say_what_to_do():
+    class Started:
+        def list_physical_devices(self, device_type):
+            return ["gpu0"]
+
+        experimental = property(lambda self: self)
+
+        def set_memory_growth(self, device, enable):
+            raise RuntimeError("Physical devices cannot be modified after being initialized")
+
+    with pytest.raises(RuntimeError, match=r"before TensorFlow initialises its devices .*distribute.setup\(\)"):
+        devices.prepare_gpus(None, api=Started())
+
+
+# --- which all-reduce ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("configured, num_gpus, chosen", [
+    ("AUTO", 1, "NCCL"), ("AUTO", 8, "NCCL"), ("AUTO", 0, "AUTO"),
+    ("RING", 4, "RING"), ("NCCL", 4, "NCCL"), ("NCCL", 0, "NCCL"),
+])
+def test_auto_all_reduce_is_nccl_on_a_worker_with_a_gpu(configured, num_gpus, chosen):
+    assert devices.collective_implementation(configured, num_gpus) == chosen
+
+
+def test_mwms_is_built_with_nccl_and_every_collective_carries_the_hint():
+    report = setup_with_gpus(1, "mwms")
+    assert report["mwms_implementation"] == "NCCL"  # what MultiWorkerMirroredStrategy was constructed with
+    assert report["household_hint"] == "nccl"  # the raw collective of local SGD's households
+    without_gpu = setup_with_gpus(0, "mwms")
+    assert (without_gpu["mwms_implementation"], without_gpu["household_hint"]) == ("AUTO", "auto")
+    ring = setup_with_gpus(1, "mwms", "--config.distribute.collective_impl=RING")
+    assert (ring["mwms_implementation"], ring["household_hint"]) == ("RING", "ring")
+
+
+@pytest.mark.parametrize("recipe", ["r50_1gpu:amp", "r50_8gpu:amp_bf16", "r50_8gpu:xla"])
+def test_a_variant_switched_to_mwms_by_an_override_still_all_reduces_over_nccl(recipe):
+    # make_sbatch and users switch the backend with --config.distribute.backend after the variant ran.
+    cfg = load_config(recipe, "--config.distribute.backend=mwms")
+    assert cfg.distribute.collective_impl == "AUTO"
+    assert devices.collective_implementation(cfg.distribute.collective_impl, num_gpus=1) == "NCCL"
+
+
+def test_horovod_with_a_gpu_and_no_nccl_warns_of_host_copies():
+    report = setup_with_gpus(1, "horovod")  # this machine's Horovod is a CPU (Gloo/MPI) build
+    assert "Horovod was built without NCCL (hvd.nccl_built() is false): every gradient all-reduce is copied to host " \
+           "memory" in report["stderr"]
+    assert "make horovod-gpu" in report["stderr"]
+    assert devices.horovod_host_copy_warning(1, nccl_built=21903) is None  # hvd.nccl_built() returns NCCL's version
+    assert devices.horovod_host_copy_warning(0, nccl_built=False) is None  # a CPU run copies nothing
+
+
+# --- XLA and synchronized BatchNorm -------------------------------------------------------------------------
+
+
+def test_sync_bn_inside_an_xla_step_is_refused_under_mwms_naming_both_keys():
+    cfg = load_config("smoke", "--config.distribute.backend=mwms", "--config.model.sync_bn=True",
+                      "--config.jit_compile=True")
+    with pytest.raises(ConfigError, match=r"config.model.sync_bn=True with config.jit_compile=True under "
+                                          r"config.distribute.backend='mwms'"):
+        tfs_config.validate(cfg)
+    for allowed in (("--config.jit_compile=False",), ("--config.model.sync_bn=False",)):
+        tfs_config.validate(load_config("smoke", "--config.distribute.backend=mwms", "--config.model.sync_bn=True",
+                                        "--config.jit_compile=True", *allowed))
+
+
+def test_sync_bn_inside_an_xla_step_on_cpu_replicas_is_refused_before_anything_is_written(tmp_path):
+    # MirroredStrategy all-reduces inside XLA only between GPUs; on CPU devices the trace would fail.
+    result = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={tmp_path / 'run'}",
+                     "--config.distribute.backend=mirrored", "--config.distribute.num_cpu_devices=2",
+                     "--config.model.sync_bn=True", "--config.jit_compile=True")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "FATAL config error: config.model.sync_bn=True with config.jit_compile=True on replicas "
+        "/job:localhost/replica:0/task:0/device:CPU:0, /job:localhost/replica:0/task:0/device:CPU:1")
+    assert not os.path.exists(tmp_path / "run" / "config.json")
+
+
+# --- float16 on Horovod's wire ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16"])
+def test_horovod_fp16_compression_needs_loss_scaled_float16(precision):
+    cfg = load_config("smoke", "--config.distribute.backend=horovod", "--config.distribute.horovod_fp16_allreduce=True",
+                      f"--config.precision={precision}")
+    with pytest.raises(ConfigError, match=rf"horovod_fp16_allreduce=True with config.precision='{precision}'"):
+        tfs_config.validate(cfg)
+    tfs_config.validate(load_config("smoke", "--config.distribute.backend=horovod",
+                                    "--config.distribute.horovod_fp16_allreduce=True",
+                                    "--config.precision=mixed_float16"))
+
+
+@pytest.mark.slow
+def test_horovod_fp16_all_reduce_is_prescaled_so_large_gradients_do_not_overflow(tmp_path):
+    pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
+    out = tmp_path / "fp16.json"
+    result = subprocess.run([sys.executable, "-m", "tfscale.launch", "--backend=horovod", "--num_workers=2",
+                             "--threads_per_worker=1", "--", os.path.join(REPO, "tests", "helpers", "horovod_fp16_sum.py"),
+                             str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["size"] == 2 and got["dtypes"] == ["float32", "float32"]  # float16 on the wire only
+    # Each rank's 40000 fits float16; summed first (Horovod's own Average) they do not.
+    assert got["horovod_average"][0] == [float("inf"), float("inf")]
+    for ours, exact in zip(got["fp16"], got["float32"]):  # the average, to a few float16 roundings (2^-11 each)
+        assert ours == pytest.approx(exact, rel=2 ** -9)
+    assert got["float32"][0] == [40000.0, 39984.0]
+
+
+# --- CPU threads ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env, affinity, cores, cap", [
+    ({}, 64, 64, None),  # no Slurm: the affinity mask
+    ({"SLURM_CPUS_PER_TASK": "8"}, 64, 8, 8),  # an unbound task sees the node: its share is 8
+    ({"SLURM_CPUS_PER_TASK": "8"}, 8, 8, None),  # --cpu-bind=cores already gave it 8
+    ({"SLURM_CPUS_PER_TASK": "8"}, 4, 4, None),  # taskset narrower still
+])
+def test_input_threads_follow_slurm_cpus_per_task(env, affinity, cores, cap):
+    assert devices.usable_cores(env, affinity) == cores
+    assert devices.input_thread_cap(env, affinity) == cap
+
+
+def test_tf_data_and_dali_size_their_threads_from_slurm_cpus_per_task(monkeypatch):
+    from tfscale.data import pipeline
+
+    monkeypatch.setattr(devices, "affinity_cores", lambda: 64)  # the whole node, as an unbound task sees it
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
+    options = pipeline.tf_data_options(tfs_config.base_config().data)
+    assert (options.threading.private_threadpool_size, options.autotune.cpu_budget) == (6, 6)
+    assert devices.usable_cores() == 6  # DALI's num_threads and the converter's processes
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    options = pipeline.tf_data_options(tfs_config.base_config().data)
+    assert options.threading.private_threadpool_size is None  # TensorFlow's own sizing
+
+
+# --- DALI's GPU decoding -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dali_decode, num_gpus, local_replicas, device", [
+    ("auto", 0, 1, "cpu"), ("auto", 1, 1, "mixed"), ("auto", 8, 8, "cpu"),
+    ("cpu", 1, 1, "cpu"), ("mixed", 1, 1, "mixed"),
+])
+def test_dali_decodes_on_the_gpu_only_with_one_replica_per_process(dali_decode, num_gpus, local_replicas, device):
+    dali = pytest.importorskip("tfscale.data.dali", reason="DALI is not installed: run `make dali`")
+    assert dali.decode_device(dali_decode, num_gpus, local_replicas) == device
+
+
+def test_dali_mixed_decoding_for_several_local_replicas_is_refused_by_name():
+    dali = pytest.importorskip("tfscale.data.dali", reason="DALI is not installed: run `make dali`")
+    with pytest.raises(ConfigError, match=r"dali_decode='mixed': this worker process feeds 8 replicas "
+                                          r"\(config.distribute.backend='mirrored'\?\).*'mwms' or 'horovod'"):
+        dali.decode_device("mixed", 8, 8)
+    with pytest.raises(ConfigError, match="dali_decode='mixed' decodes on a GPU and this process sees none"):
+        dali.decode_device("mixed", 0, 1)

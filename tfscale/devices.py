@@ -1,0 +1,149 @@
+"""What a worker process does with the GPUs and CPU cores it is given.
+
+Each decision is a plain function of what the process sees (how many GPUs, its local rank, the
+Slurm environment, its CPU affinity), so the tests hand it device lists that tfscale's CPU-only CI
+never has; `prepare_gpus` applies them through `tf.config` and `distribute.setup` calls it before any
+strategy exists. Importing this module does not import TensorFlow (the launcher and the converter
+use `usable_cores`).
+
+The GPU behaviour each decision relies on, read in the installed TensorFlow 2.21 sources (docs/gpu.md
+lists what only a GPU run can prove):
+  * memory growth: TensorFlow's BFC allocator reserves nearly all of a GPU's memory when the device is
+    created, unless `set_memory_growth` was called first; DALI's GPU decoding and NCCL's buffers
+    allocate outside it and then fail (DALI's docs warn of exactly this).
+  * NCCL under MultiWorkerMirroredStrategy: `CommunicationImplementation.AUTO` becomes the collective's
+    `communication_hint` "auto" (tensorflow/python/distribute/cross_device_utils.py:378), and the
+    resolver takes NCCL only for the hint "nccl" or `collective_nccl` in the ConfigProto, which MWMS
+    sets only for NCCL (core/common_runtime/collective_param_resolver_local.cc
+    AssignCollectiveType; python/distribute/collective_all_reduce_strategy.py:880-885). AUTO on GPUs
+    is therefore gRPC rings with GPU-host copies.
+  * thread pools: TensorFlow, tf.data and DALI size their pools from the CPU affinity mask, which is
+    the whole node where Slurm does not bind tasks to cores.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from tfscale.config import ConfigError
+
+# `distribute.collective_impl` values; AUTO is resolved here, per worker.
+COLLECTIVE_IMPLEMENTATIONS = ("AUTO", "NCCL", "RING")
+
+
+def gpu_for_local_rank(num_gpus: int, local_rank: int, host: str = "") -> int | None:
+    """The index (among the visible GPUs) of the one GPU a worker process keeps; None keeps what it sees.
+
+    One visible GPU is the scheduler's choice (Slurm's --gpus-per-task, CUDA_VISIBLE_DEVICES); none
+    means a CPU run. With several, worker `local_rank` of its host takes GPU `local_rank`: a local
+    rank past the last GPU means more worker processes than GPUs on this host, and two of them would
+    share one (NCCL then fails with "Duplicate GPU detected", after minutes of start-up).
+    """
+    if num_gpus <= 1:
+        return None
+    if not 0 <= local_rank < num_gpus:
+        where = f"host {host}" if host else "this host"
+        raise ConfigError(
+            f"worker with local rank {local_rank} on {where}, which shows {num_gpus} GPUs to each worker (0-{num_gpus - 1}): "
+            f"more worker processes than GPUs on the node, so two would share a GPU. Start at most {num_gpus} tasks "
+            f"per node (sbatch --ntasks-per-node={num_gpus} with --gpus-per-node={num_gpus}; "
+            f"tfscale.launch --num_workers <= {num_gpus})"
+        )
+    return local_rank
+
+
+def collective_implementation(configured: str, num_gpus: int) -> str:
+    """The `CommunicationImplementation` name MWMS is built with: AUTO means NCCL on a worker with a GPU.
+
+    TensorFlow's own AUTO does not pick NCCL (module docstring). Without a GPU, AUTO stays AUTO (rings
+    on the CPU; TensorFlow warns when NCCL is asked for without a GPU). RING and NCCL are kept as
+    given: a user may rule NCCL out on purpose.
+    """
+    if configured not in COLLECTIVE_IMPLEMENTATIONS:
+        raise ConfigError(f"config.distribute.collective_impl={configured!r} is not one of: "
+                          f"{', '.join(COLLECTIVE_IMPLEMENTATIONS)}")
+    if configured == "AUTO" and num_gpus > 0:
+        return "NCCL"
+    return configured
+
+
+def communication_hint(implementation: str) -> str:
+    """The `communication_hint` of TensorFlow's collective ops for an implementation name ("nccl", ...)."""
+    return implementation.lower()
+
+
+def horovod_host_copy_warning(num_gpus: int, nccl_built: Any) -> str | None:
+    """What to warn when this rank has a GPU and Horovod cannot all-reduce on it (`hvd.nccl_built()`)."""
+    if num_gpus == 0 or nccl_built:
+        return None
+    return ("this rank has a GPU but Horovod was built without NCCL (hvd.nccl_built() is false): every gradient "
+            "all-reduce is copied to host memory and reduced by MPI/Gloo on the CPU, several times slower. Rebuild "
+            "it with `make horovod-gpu` (HOROVOD_GPU_OPERATIONS=NCCL; docs/horovod.md)")
+
+
+def prepare_gpus(local_rank: int | None, host: str = "", api: Any = None) -> list:
+    """Keeps this worker's GPU (`local_rank` given and several visible), then turns memory growth on.
+
+    Must run before TensorFlow creates its GPU devices, i.e. before any strategy or op: `distribute.setup`
+    calls it first, for every backend. Returns the GPUs this process keeps. `api` is `tf.config` (tests
+    pass an object with the same three calls and GPUs this machine does not have).
+    """
+    if api is None:
+        import tensorflow as tf
+
+        api = tf.config
+    gpus = list(api.list_physical_devices("GPU"))
+    keep = None if local_rank is None else gpu_for_local_rank(len(gpus), local_rank, host)
+    try:
+        if keep is not None:
+            api.set_visible_devices(gpus[keep], "GPU")
+            gpus = [gpus[keep]]
+        for gpu in gpus:
+            api.experimental.set_memory_growth(gpu, True)
+    except RuntimeError as err:  # "Physical devices cannot be modified after being initialized"
+        raise RuntimeError(f"GPU settings must be made before TensorFlow initialises its devices ({err}): call "
+                           "distribute.setup() before running any TensorFlow op") from err
+    return gpus
+
+
+# --- CPU cores -------------------------------------------------------------------------------------------
+
+
+def affinity_cores() -> int:
+    """Cores in this process's CPU affinity mask (Slurm's binding, taskset), else os.cpu_count()."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def usable_cores(env: Mapping[str, str] | None = None, affinity: int | None = None) -> int:
+    """Cores this process's own thread pools (tf.data, DALI, the converter) should size themselves to.
+
+    The affinity mask, capped by SLURM_CPUS_PER_TASK in a Slurm job: where the site does not bind
+    tasks to cores (no --cpu-bind, TaskPlugin without affinity), every task's mask is the whole node
+    and G tasks per node would each start threads for all of it.
+    """
+    env = os.environ if env is None else env
+    affinity = affinity_cores() if affinity is None else affinity
+    per_task = env.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit() and int(per_task) > 0:
+        return min(affinity, int(per_task))
+    return affinity
+
+
+def describe_cores(env: Mapping[str, str] | None = None, affinity: int | None = None) -> str:
+    """The cores of `usable_cores` for the topology line, saying when Slurm left the task unbound."""
+    affinity = affinity_cores() if affinity is None else affinity
+    cores = usable_cores(env, affinity)
+    if cores < affinity:
+        return f"{cores} (SLURM_CPUS_PER_TASK; the task is not bound to cores and sees {affinity}: srun --cpu-bind=cores)"
+    return str(cores)
+
+
+def input_thread_cap(env: Mapping[str, str] | None = None, affinity: int | None = None) -> int | None:
+    """The thread count to impose on tf.data (`usable_cores`) when it is below the affinity mask, else None."""
+    affinity = affinity_cores() if affinity is None else affinity
+    cores = usable_cores(env, affinity)
+    return cores if cores < affinity else None
