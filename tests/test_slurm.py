@@ -255,17 +255,46 @@ def test_default_ports_of_concurrent_steps_and_neighbouring_jobs_are_disjoint():
 
 @pytest.mark.slow
 def test_mwms_job_two_tasks(slurm, tmp_path):
-    job_id = slurm.submit(make_script(tmp_path, "mwms", *SHORT))
+    job_id = slurm.submit(make_script(tmp_path, "mwms", *SHORT, "--doctor=gpus,all-reduce"))
     text = assert_completed_once(slurm, tmp_path, job_id)
+    # The doctor ran on the node first (these checks need a GPU, so N/A here: it passed, and training ran).
+    assert "tfscale-doctor on each of 1 nodes" in text
+    assert re.search(r"^N/A +gpus +no GPU on this node", text, re.M) and "summary: 0 pass, 0 fail, 2 n/a" in text
+    # srun --cpu-bind=cores: each worker runs on its one core (--cpus-per-task=1) and sizes its threads to it.
+    topology = [line for line in text.splitlines() if "tfscale worker rank=" in line]
+    assert len(topology) == 2 and all(line.endswith(" cores=1") for line in topology), topology
     result = summary(tmp_path)
     assert result["steps"] == 20 and result["num_workers"] == 2 and result["num_replicas"] == 2
     assert logged_steps(tmp_path) == [5, 10, 15, 20]
     assert "SLURM_RESTART_COUNT=0" in text and "nothing to stage" in text
-    # The cluster came from Slurm's variables (the training srun is the job's step 0; distribute.port_base=0).
+    # The cluster came from Slurm's variables (the training srun is the job's step 1, after the doctor's step 0;
+    # distribute.port_base=0).
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
-    port = default_port_base(job_id, step_id=0)
-    assert f"tfscale cluster from Slurm job {job_id} step 0: workers {host}:{port},{host}:{port + 1}\n" in text
+    port = default_port_base(job_id, step_id=1)
+    assert f"tfscale cluster from Slurm job {job_id} step 1: workers {host}:{port},{host}:{port + 1}\n" in text
     assert "rank=0/2" in text and "rank=1/2" in text and "backend=mwms" in text
+
+
+UNBOUND_JOB = """#!/bin/bash
+#SBATCH --ntasks=2
+#SBATCH --cpus-per-task=1
+#SBATCH --time=00:05:00
+#SBATCH --output={out}/job-%j.out
+cd {repo}
+srun --cpu-bind={bind} {python} -c 'import os; from tfscale import devices
+print("task", os.environ["SLURM_PROCID"], "affinity", devices.affinity_cores(), "usable", devices.usable_cores())'
+"""
+
+
+@pytest.mark.parametrize("bind, affinity", [("none", 2), ("cores", 1)])
+def test_a_task_sizes_its_threads_to_slurm_cpus_per_task_bound_or_not(slurm, tmp_path, bind, affinity):
+    # A site that does not bind (--cpu-bind=none) leaves each task the whole node (2 CPUs here); tfscale still
+    # sizes its input threads to the task's share.
+    script = tmp_path / "unbound.sbatch"
+    script.write_text(UNBOUND_JOB.format(out=tmp_path, repo=REPO, python=sys.executable, bind=bind))
+    job_id = slurm.submit(script)
+    text = assert_completed_once(slurm, tmp_path, job_id)
+    assert sorted(re.findall(r"^task \d affinity (\d) usable (\d)$", text, re.M)) == [(str(affinity), "1")] * 2, text
 
 
 # Two MWMS trainings at once in one 4-task job on the testbed's two nodes: each an `srun --nodes=1

@@ -49,6 +49,8 @@ from tfscale import devices, distribute, engine, io, benchmark
 from tfscale.data import pipeline
 
 PASS, FAIL, NA = "pass", "fail", "n/a"
+CHECK_NAMES = ("gpus", "memory-growth", "all-reduce", "horovod", "xla-step", "float16-step", "dali", "gpu-bandwidth",
+               "throughput")  # in the order they run
 
 # One-GPU ResNet-50 training throughput as published (docs/gpu.md "What to expect" gives the sources):
 # (name in the GPU's device name, precision, per-GPU batch, images/sec, source).
@@ -315,10 +317,10 @@ def run_checks(tasks_per_node: int = 0, collective_impl: str = "AUTO", only: lis
         ("gpu-bandwidth", lambda: check_gpu_bandwidth(gpus)),
         ("throughput", lambda: check_throughput(cluster, gpus)),
     ]
-    unknown = set(only or ()) - {name for name, _ in steps}
+    assert tuple(name for name, _ in steps) == CHECK_NAMES
+    unknown = set(only or ()) - set(CHECK_NAMES)
     if unknown:
-        raise app.UsageError(f"--only: no check named {', '.join(sorted(unknown))} "
-                             f"(checks: {', '.join(name for name, _ in steps)})")
+        raise app.UsageError(f"--only: no check named {', '.join(sorted(unknown))} (checks: {', '.join(CHECK_NAMES)})")
     cluster = distribute.setup(tfs_config.base_config().distribute)  # one_device: memory growth on, first
     gpus = tf.config.list_physical_devices("GPU")
     checks = []

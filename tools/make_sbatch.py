@@ -90,6 +90,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="node-local staging directory (expanded on the node); '' reads data_dir in place")
     parser.add_argument("--modules", default="", help="environment modules to load, e.g. 'cuda/12.4 nccl/2.21'")
     parser.add_argument("--gloo_iface", default="", help="horovodrun-gloo: network interface (e.g. ib0)")
+    parser.add_argument("--doctor", default="", help="'all' or a list of tfscale-doctor checks (e.g. gpus,horovod) "
+                        "to run on every node before training; a failed check stops the job. '' skips it")
     parser.add_argument("--tfscale_dir", default=REPO, help="tfscale checkout on the cluster; default: this one")
     parser.add_argument("--venv", default=sys.prefix, help="Python environment on the cluster; default: this one")
     parser.add_argument("--output", help="script to write; default: tfscale-<config name>-<backend>-<N>x<T>.sbatch")
@@ -243,6 +245,7 @@ def edit_values(args: argparse.Namespace, overrides: list[str]) -> dict[str, str
         "STUDY": double_quote(os.path.abspath(args.study) if args.study else ""),
         "DATA_DIR": double_quote(data_dir_path(args.data_dir) if args.data_dir else ""),
         "STAGE_DIR": double_quote(args.stage_dir),
+        "DOCTOR": double_quote(args.doctor),
     }
     if args.backend == "horovod":
         values["LAUNCHER"] = double_quote(args.launcher)
@@ -325,10 +328,20 @@ def study_cells(args: argparse.Namespace) -> tuple[int, list[tuple[str, list[str
     return len(tfs_study.runs_of(study)), cells
 
 
+def check_doctor(doctor: str) -> None:
+    """--doctor is '', 'all' or names of tfscale-doctor's checks."""
+    from tfscale import doctor as tfs_doctor
+
+    unknown = [name for name in doctor.split(",") if name and name != "all" and name not in tfs_doctor.CHECK_NAMES]
+    if unknown or ("all" in doctor.split(",") and doctor != "all"):
+        raise UsageError(f"--doctor={doctor!r}: use 'all' or checks among {', '.join(tfs_doctor.CHECK_NAMES)}")
+
+
 def make_script(argv: list[str]) -> tuple[str, str]:
     """Validates the request (every cell of a study), writes the script; returns (path, one-line summary)."""
     args, overrides = parse_args(argv)
     tasks = tasks_per_node(args)
+    check_doctor(args.doctor)
     num_runs, cells = study_cells(args)
     if args.study and any(o.startswith("--config.seed=") for o in overrides):
         raise UsageError("--config.seed with --study: the study file's seeds set each run's seed")

@@ -125,9 +125,10 @@ SlurmdLogFile=$dir/log/slurmd-%n.log
 # launch ("Cannot create client cli tmpdir ... File exists"). PMIxCliTmpDirBase (mpi.conf) would
 # not do: it does not expand %n.
 TmpFS=$dir/tmp/%n
-# No cgroups or systemd here: track processes by parent pid, bind nothing.
+# No cgroups or systemd here: track processes by parent pid; task/affinity binds tasks with sched_setaffinity
+# (srun --cpu-bind=cores, as the sbatch templates pass it), so each task sees only its own cores.
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 JobAcctGatherType=jobacct_gather/none
