@@ -9,8 +9,10 @@ Reads ImageNet-1k TFRecord shards (`train-*-of-*`, `validation-*-of-*`, 1-based 
 warmup needed at this size): expect ~76% top-1 after 90 epochs. Speed only, without data:
 `--config.data.dataset=synthetic`, or `python -m tfscale.benchmark ... --config.benchmark.mode=synthetic`.
 
-GPU variants (docs/gpu.md): `--config=configs/r50_1gpu.py:amp` (float16 + XLA) or `:amp_bf16`
-(bfloat16 + XLA); same batch, LR and epochs. Published images/sec on 1 GPU to compare `python -m
+GPU variants (docs/gpu.md): `--config=configs/r50_1gpu.py:xla` (float32 + XLA), `:amp` (float16 +
+XLA) or `:amp_bf16` (bfloat16 + XLA); same batch, LR and epochs. NVIDIA's FP32/TF32 figures below ran
+with XLA: compare them with `:xla`, not with the plain recipe (Keras 3's BatchNormalization is unfused
+without XLA). Published images/sec on 1 GPU to compare `python -m
 tfscale.benchmark` with (training, real ImageNet TFRecords):
   * NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md, "Training
     performance results" (ResNet-50 v1.5, NGC 20.06-tf1 container, training_perf.sh: tf.data input,
