@@ -6,6 +6,10 @@ VENV ?= .venv
 # TensorFlow the environment already has (a cluster module).
 TF_EXTRA ?= cpu
 PY := $(VENV)/bin/python
+# The tested set for this TensorFlow wheel; TF_EXTRA= (your own TensorFlow) takes the CPU set's other pins.
+CONSTRAINTS := requirements/constraints-$(if $(filter gpu,$(TF_EXTRA)),gpu,cpu).txt
+# A GPU venv's Horovod all-reduces on the GPU (NCCL); export HOROVOD_GPU_OPERATIONS= to build without.
+HOROVOD_GPU_OPERATIONS ?= $(if $(filter gpu,$(TF_EXTRA)),NCCL,)
 STAMP := $(VENV)/.installed-$(or $(TF_EXTRA),own-tf)
 comma := ,
 EXTRAS := $(if $(TF_EXTRA),$(TF_EXTRA)$(comma))test
@@ -15,22 +19,32 @@ DALI_STAMP := $(VENV)/.installed-dali
 # What `mpicc` is here ("none" without one): Horovod is rebuilt when it changes (OpenMPI installed, removed, updated).
 MPI_STATE := $(VENV)/.mpi-state
 
-.PHONY: venv horovod dali mpi slurm fashion-mnist FORCE demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
+.PHONY: venv horovod horovod-gpu dali mpi slurm fashion-mnist FORCE demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/constraints-cpu.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@# tensorflow-cpu and tensorflow[and-cuda] share a package directory, and Horovod and the DALI plugin are
+	@# compiled against the TensorFlow present: a venv holds one of them for good.
+	@for other in cpu gpu; do \
+	  if [ "$$other" != "$(TF_EXTRA)" ] && [ -n "$(TF_EXTRA)" ] && [ -e "$(VENV)/.installed-$$other" ]; then \
+	    echo "make: $(VENV) holds the TensorFlow of TF_EXTRA=$$other; TF_EXTRA=$(TF_EXTRA) needs its own venv:" \
+	      "make TF_EXTRA=$(TF_EXTRA) VENV=.venv-$(TF_EXTRA) ... (or make clean first)" >&2; \
+	    exit 1; \
+	  fi; \
+	done
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==25.3
 	# Constraints pin every transitive package to the set tested together.
-	$(PY) -m pip install --quiet -c requirements/constraints-cpu.txt -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	touch $@
 
 # Horovod 0.28.1 from source against the installed TensorFlow (~3 min on 2 cores); see README 'Horovod'.
 horovod: $(HOROVOD_STAMP)
 
-$(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh $(MPI_STATE)
-	PYTHON=$(PY) tools/install_horovod.sh
+$(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh tools/cuda_build_home.sh $(MPI_STATE)
+	PYTHON=$(PY) CONSTRAINTS=$(CONSTRAINTS) $(if $(HOROVOD_GPU_OPERATIONS),HOROVOD_GPU_OPERATIONS=$(HOROVOD_GPU_OPERATIONS)) \
+	  tools/install_horovod.sh
 	touch $@
 
 # NVIDIA DALI for data.loader=dali (docs/data.md 'DALI'): tfscale[dali] (~500 MB of CUDA 12 wheels, which also
@@ -39,11 +53,20 @@ $(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh $(MPI_STATE)
 dali: $(DALI_STAMP)
 
 $(DALI_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -c requirements/constraints-cpu.txt -e ".[dali]" wheel
-	$(PY) -m pip install --quiet --no-build-isolation -c requirements/constraints-cpu.txt nvidia-dali-tf-plugin-cuda120
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e ".[dali]" wheel
+	$(PY) -m pip install --quiet --no-build-isolation -c $(CONSTRAINTS) nvidia-dali-tf-plugin-cuda120
 	@out=$$($(PY) -c "import nvidia.dali.plugin.tf" 2>&1) || { echo "$$out" >&2; exit 1; }  # TensorFlow's chatter only on failure
 	@echo "dali: $$($(PY) -c 'import nvidia.dali; print(nvidia.dali.__version__)') with its TensorFlow plugin"
 	touch $@
+
+# Horovod with NCCL in a tensorflow[and-cuda] venv of its own (VENV_GPU, ~7 GB), on any host, GPU or none: the
+# `horovod` target with TF_EXTRA=gpu (~5-9 min here). The CUDA toolkit comes from tools/cuda_build_home.sh: a CUDA 12
+# `module load cuda` when there is one, else CUDA 13.0 pip wheels in $(VENV_GPU)/cuda-build
+# (requirements/cuda-build-wheels.txt says what that implies: NVIDIA driver >= 580, Turing and newer). NCCL is the
+# nvidia-nccl-cu12 wheel TensorFlow loads. It ends by importing Horovod with hvd.nccl_built() true (no GPU needed).
+VENV_GPU ?= .venv-gpu
+horovod-gpu:
+	$(MAKE) TF_EXTRA=gpu VENV=$(VENV_GPU) horovod
 
 # Rewritten only when its content changes, so that Horovod is rebuilt only then.
 $(MPI_STATE): FORCE | $(STAMP)

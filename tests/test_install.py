@@ -41,3 +41,20 @@ def test_pip_install_into_a_fresh_venv_then_train_from_elsewhere(tmp_path):
     assert summary["steps"] == 20 and summary["eval_top1"] > 0
     _run([str(venv / "bin" / "tfscale-export"), "--workdir=run"], cwd=elsewhere)
     assert (elsewhere / "run" / "export" / "model.keras").is_file()
+    doctor = _run([str(venv / "bin" / "tfscale-doctor"), "--only=gpus,horovod"], cwd=elsewhere).stdout
+    assert "N/A   horovod        Horovod is not installed" in doctor  # optional, and named as such
+    assert doctor.strip().splitlines()[-1] == "summary: 0 pass, 0 fail, 2 n/a (gpus, horovod)"
+
+
+def test_a_gpu_build_into_a_cpu_venv_is_refused_before_anything_is_installed(tmp_path):
+    # tensorflow-cpu and tensorflow[and-cuda] share one package directory, and Horovod and the DALI plugin are
+    # compiled against the TensorFlow present: switching a venv between them in place leaves it broken.
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed-cpu").touch()
+    result = subprocess.run(["make", "-C", REPO, f"VENV={venv}", "TF_EXTRA=gpu", "venv"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    assert (f"{venv} holds the TensorFlow of TF_EXTRA=cpu; TF_EXTRA=gpu needs its own venv" in result.stderr)
+    assert "VENV=.venv-gpu" in result.stderr
+    assert sorted(os.listdir(venv)) == [".installed-cpu"]  # no python, nothing installed
