@@ -171,11 +171,12 @@ def test_sync_bn_with_horovod_is_refused():
 
 def test_horovod_rank_loss_is_averaged_over_its_own_batch():
     cluster = distribute.Cluster(backend="horovod", strategy=None, rank=0, size=4, local_rank=0, num_replicas=4,
-                                 host="h", _collectives=collectives.HorovodCollectives(hvd=object(), strategy=None))
+                                 host="h", all_reduce="Gloo",
+                                 _collectives=collectives.HorovodCollectives(hvd=object(), strategy=None))
     assert cluster.loss_batch_size(256) == 64
     assert not cluster.saving_is_collective
     mwms = distribute.Cluster(backend="mwms", strategy=None, rank=0, size=4, local_rank=0, num_replicas=4,
-                              host="h", _collectives=collectives.StrategyCollectives(strategy=None))
+                              host="h", all_reduce="RING", _collectives=collectives.StrategyCollectives(strategy=None))
     assert mwms.loss_batch_size(256) == 256 and mwms.saving_is_collective
 
 
