@@ -12,7 +12,8 @@ same shards, the same data assignment, the same augmentation semantics:
          -> tf.data: the worker's real examples, then masked padding up to the common number of batches.
 
 Where JPEGs are decoded (`data.dali_decode`): `mixed` decodes on the worker's GPU (nvJPEG; resize and
-flip run there too), DALI's reason to exist; `cpu` uses DALI's CPU decoder. Either way DALI hands
+flip run there too), DALI's reason to exist, for a worker process that feeds one replica (`decode_device`);
+`cpu` uses DALI's CPU decoder. Either way DALI hands
 TensorFlow a host batch of uint8 images (with `mixed`, one copy back from the GPU: ~150 KB an image at
 224 px, under 1 GB/s at 5,000 images/sec, a small share of a PCIe link), and the strategy copies it to
 the device ahead of the step as it does tf.data's batches. NVIDIA's GPU-resident hand-over needs
