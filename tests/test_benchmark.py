@@ -152,6 +152,32 @@ def test_two_workers_chief_reports_both(backend, mode, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_allreduce_mode_measures_every_size_and_the_models_gradients(backend, tmp_path):
+    if backend == "horovod":
+        pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
+    result = run_cli("tfscale.launch", "--num_workers=2", f"--backend={backend}", "--threads_per_worker=1", "--", "-m",
+                     "tfscale.benchmark", *SMALL_RUN, f"--workdir={tmp_path}", "--config.benchmark.mode=allreduce",
+                     "--config.benchmark.allreduce_max_bytes=65536", "--config.benchmark.num_batches=5")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = read_report(tmp_path)
+    assert [r["size_bytes"] for r in report["allreduce"]] == [1024, 4096, 16384, 65536]
+    for row in [*report["allreduce"], report["model_gradients"]]:
+        assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])  # 2 (n-1) / n = 1 for two replicas
+    from tfscale import models
+
+    cfg = load_config("smoke")
+    model = models.create_from_config(cfg)
+    gradient_bytes = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
+    assert report["model_gradients"]["size_bytes"] == gradient_bytes
+    assert report["model_gradients"]["tensors"] == len(model.trainable_weights)
+    assert "[rank 1]" not in "".join(line for line in result.stdout.splitlines() if "size(B)" in line)  # chief only
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.search(rf"model gradients \(cifar_resnet8, {gradient_bytes / 1e6:.1f} MB\): busbw [\d.]+ GB/s$", last), last
+
+
+@pytest.mark.slow
 def test_train_loop_vs_keras_fit_comparison(tmp_path):
     result = run_cli("tfscale.benchmark", *SMALL_RUN, f"--workdir={tmp_path}", "--config.benchmark.mode=train",
                      "--config.benchmark.compare_keras_fit=True", "--config.benchmark.rounds=2")

@@ -10,7 +10,9 @@ Modes (`benchmark.mode`):
              batch held on the device, as tf_cnn_benchmarks' default: no input cost at all;
   train      the full training step on the configured data (`data.dataset`), input pipeline included;
              `benchmark.compare_keras_fit=True` also times Keras `model.fit` on the same model/data;
-  input      the input pipeline alone, against a decode-only ceiling and Keras' image_dataset_from_directory.
+  input      the input pipeline alone, against a decode-only ceiling and Keras' image_dataset_from_directory;
+  allreduce  all-reduce time, algbw and busbw per message size and for the model's gradients
+             (tfscale.allreduce_bench); its last line is the gradients' busbw, not images/sec.
 
 Definitions (one place, the same on every backend). A step is timed from asking for its batch to
 reading its loss on the host, so the device has finished it. The first `num_warmup_batches` steps
@@ -192,9 +194,10 @@ def breakdown_ms(cfg, cluster, model, optimizer, batch, steps: dict) -> dict:
 def _benchmark_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A copy of `cfg` for the run: synthetic mode replaces the configured data with random images."""
     cfg = ml_collections.ConfigDict(cfg.to_dict())
-    if cfg.benchmark.mode == "synthetic":
+    if cfg.benchmark.mode in ("synthetic", "allreduce"):
         if cfg.data.dataset != "synthetic":
-            logging.info("benchmark.mode=synthetic: random images instead of config.data.dataset=%r", cfg.data.dataset)
+            logging.info("benchmark.mode=%s: random images instead of config.data.dataset=%r", cfg.benchmark.mode,
+                         cfg.data.dataset)
         cfg.data.dataset, cfg.data.loader = "synthetic", "tfdata"
         cfg.data.data_dir = cfg.data.stage_dir = cfg.data.tfds_name = ""
     return cfg
@@ -258,7 +261,12 @@ def run_step_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[di
                           keras.callbacks.CallbackList(profiler, model=model), per_worker_batch, cluster.is_chief)
         breakdown = breakdown_ms(cfg, cluster, model, optimizer, next_batch(), steps)
     per_worker = _gather_rates(cluster, steps, per_worker_batch, cfg.benchmark.num_warmup_batches)
-    return _step_report(cfg, cluster, steps, per_worker, breakdown, fit_comparison), cluster.is_chief
+    report = _step_report(cfg, cluster, steps, per_worker, breakdown, fit_comparison)
+    if cfg.benchmark.with_allreduce:  # a scaling sweep's point: the all-reduce table of the same job too
+        from tfscale import allreduce_bench
+
+        report.update(allreduce_bench.measure_all(cluster, model, cfg.benchmark))
+    return report, cluster.is_chief
 
 
 def _step_report(cfg, cluster, steps: dict, per_worker: list[dict], breakdown: dict, fit_comparison) -> dict:
@@ -324,6 +332,10 @@ def run_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     cfg = _benchmark_config(cfg)
     if cfg.benchmark.mode == "input":
         return run_input_benchmark(cfg, workdir)
+    if cfg.benchmark.mode == "allreduce":
+        from tfscale import allreduce_bench
+
+        return allreduce_bench.run_benchmark(cfg, workdir)
     report, is_chief = run_step_benchmark(cfg, workdir)
     if is_chief:
         path = write_report(workdir, report, cfg)
@@ -331,6 +343,10 @@ def run_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
             from tfscale import baselines
 
             baselines.print_fit_report(report["keras_fit_comparison"], cfg)
+        if "allreduce" in report:
+            from tfscale import allreduce_bench
+
+            allreduce_bench.print_report(report)
         print_step_summary(report)
         logging.info("benchmark report: %s", path)
     return report

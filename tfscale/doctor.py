@@ -45,7 +45,7 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 from tfscale import config as tfs_config
-from tfscale import devices, distribute, engine, io, benchmark
+from tfscale import allreduce_bench, benchmark, devices, distribute, engine, io
 from tfscale.data import pipeline
 
 PASS, FAIL, NA = "pass", "fail", "n/a"
@@ -99,12 +99,6 @@ def gpu_name(gpu) -> str:
 def published_figure(name: str) -> tuple | None:
     """The PUBLISHED_1GPU row whose GPU appears in `name`, e.g. 'NVIDIA A100-SXM4-40GB'; None for others."""
     return next((row for row in PUBLISHED_1GPU if row[0] in name), None)
-
-
-def bus_bandwidth(message_bytes: int, seconds: float, num_devices: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s of one all-reduce, in nccl-tests' convention: busbw = algbw * 2 (n - 1) / n."""
-    algbw = message_bytes / seconds / 1e9
-    return algbw, algbw * 2 * (num_devices - 1) / num_devices
 
 
 # --- the checks --------------------------------------------------------------------------------------------
@@ -280,7 +274,7 @@ def check_gpu_bandwidth(gpus: list) -> Check:
         return Check("gpu-bandwidth", NA, f"needs 2 or more GPUs on the node (this one: {len(gpus)})")
     names = [f"/gpu:{i}" for i in range(len(gpus))]
     seconds = allreduce_seconds(names, BANDWIDTH_BYTES, BANDWIDTH_CALLS, tf.distribute.NcclAllReduce())
-    algbw, busbw = bus_bandwidth(BANDWIDTH_BYTES, seconds, len(gpus))
+    algbw, busbw = allreduce_bench.bus_bandwidth(BANDWIDTH_BYTES, seconds, len(gpus))
     return Check("gpu-bandwidth", PASS, f"NCCL all-reduce of {BANDWIDTH_BYTES >> 20} MiB over {len(gpus)} GPUs: "
                                         f"{seconds * 1e3:.2f} ms, algbw {algbw:.1f} GB/s, busbw {busbw:.1f} GB/s")
 
