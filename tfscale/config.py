@@ -67,7 +67,7 @@ AUGMENTS = ("imagenet", "cifar", "none")  # tfscale.data.preprocess.AUGMENTS
 BATCH_AUGMENTS = ("none", "randaugment", "mixup", "cutmix")  # tfscale.data.batch_augment.BATCH_AUGMENTS
 # Said wherever horovod is needed and missing (distribute.setup, the launcher).
 HOROVOD_INSTALL_HINT = "build it against this TensorFlow with `make horovod` (tools/install_horovod.sh; README 'Horovod')"
-BENCHMARK_MODES = ("train", "synthetic", "input")
+BENCHMARK_MODES = ("train", "synthetic", "input", "allreduce")
 LOADERS = ("tfdata", "dali")
 DALI_DECODES = ("auto", "mixed", "cpu")
 # Said wherever data.loader=dali finds no DALI (config.validate, the DALI loader).
@@ -195,7 +195,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribute.post_local_after_epochs = 0.0  # local_sgd: synchronous for these first epochs, local SGD after (post-local SGD)
 
     c.benchmark = ml_collections.ConfigDict()
-    c.benchmark.mode = "train"  # train | synthetic | input
+    c.benchmark.mode = "train"  # train | synthetic | input | allreduce (message sizes + the model's gradients)
     c.benchmark.num_warmup_batches = 10  # steps excluded from the reported rate
     c.benchmark.num_batches = 100  # timed steps
     c.benchmark.display_every = 10  # print a step line this often
@@ -203,6 +203,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.benchmark.image_dir = ""  # input mode: the same images as a JPEG class tree, for the Keras baseline
     c.benchmark.compare_keras_fit = False  # train mode, 1 process: also time Keras model.fit on the same model/data
     c.benchmark.rounds = 3  # side-by-side comparisons: interleaved rounds per candidate; the median is reported
+    c.benchmark.allreduce_min_bytes = 1024  # allreduce: smallest message per replica (float32), as nccl-tests' -b
+    c.benchmark.allreduce_max_bytes = 256 << 20  # allreduce: largest message per replica, as nccl-tests' -e
+    c.benchmark.allreduce_factor = 4  # allreduce: each size is the previous times this, as nccl-tests' -f
+    c.benchmark.with_allreduce = False  # synthetic/train: the all-reduce table too, after the timed steps (scaling sweeps)
     return c
 
 
@@ -416,6 +420,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
     except ValueError as err:
         raise ConfigError(str(err)) from None
     profile_window(cfg.profile_steps)  # raises on a malformed window
+    _check_allreduce_sizes(cfg.benchmark)
     if cfg.benchmark.num_warmup_batches < 0:
         raise ConfigError(f"config.benchmark.num_warmup_batches must be >= 0, got {cfg.benchmark.num_warmup_batches}")
     if cfg.data.global_batch_size > LARGE_BATCH_WITHOUT_LARS and cfg.optim.name != "lars":
@@ -424,6 +429,14 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
             "loss; large-batch recipes use LARS (see configs/r50_lars_32k.py)",
             cfg.data.global_batch_size, LARGE_BATCH_WITHOUT_LARS, cfg.optim.name,
         )
+
+
+def _check_allreduce_sizes(bench_cfg: ml_collections.ConfigDict) -> None:
+    low, high, factor = bench_cfg.allreduce_min_bytes, bench_cfg.allreduce_max_bytes, bench_cfg.allreduce_factor
+    if not 4 <= low <= high or factor < 2:
+        raise ConfigError(
+            f"config.benchmark.allreduce_min_bytes={low}, allreduce_max_bytes={high}, allreduce_factor={factor}: "
+            "need 4 <= min <= max (bytes of float32 per replica) and a factor >= 2")
 
 
 def _check_xla_sync_bn(cfg: ml_collections.ConfigDict) -> None:
@@ -590,6 +603,18 @@ def resolve_config_arg(arg: str) -> str:
         return arg
     path, colon, config_arg = arg[len("--config="):].partition(":")
     return f"--config={resolve_config_path(path)}{colon}{config_arg}"
+
+
+def load_config_file(path: str, overrides=()) -> ml_collections.ConfigDict:
+    """`PATH[:ARG]` with `--config.x.y=v` overrides, parsed exactly as the CLIs parse them; ConfigError if it cannot be."""
+    argv = ["tfscale", resolve_config_arg(f"--config={path}"), *overrides]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True, sys_argv=argv)
+    try:
+        flag_values(argv)
+    except (AttributeError, KeyError, flags.Error) as err:  # unknown key, bad value, unreadable file
+        raise ConfigError(f"cannot load {path} with {' '.join(overrides) or 'no overrides'}: {err}") from err
+    return flag_values.config
 
 
 def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_help: str) -> None:

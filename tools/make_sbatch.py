@@ -90,6 +90,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="node-local staging directory (expanded on the node); '' reads data_dir in place")
     parser.add_argument("--modules", default="", help="environment modules to load, e.g. 'cuda/12.4 nccl/2.21'")
     parser.add_argument("--gloo_iface", default="", help="horovodrun-gloo: network interface (e.g. ib0)")
+    parser.add_argument("--program", choices=("train", "benchmark"), default="train",
+                        help="what every task runs: tfscale.train, or tfscale.benchmark (its mode from --config.benchmark.mode)")
     parser.add_argument("--doctor", default="", help="'all' or a list of tfscale-doctor checks (e.g. gpus,horovod) "
                         "to run on every node before training; a failed check stops the job. '' skips it")
     parser.add_argument("--tfscale_dir", default=REPO, help="tfscale checkout on the cluster; default: this one")
@@ -103,17 +105,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def load_config(path: str, overrides: list[str]):
     """The config file with `--config.x=y` overrides, parsed exactly as `tfscale.train` parses them."""
-    from absl import flags
-    from ml_collections import config_flags
+    from tfscale import config as tfs_config
 
-    argv = ["make_sbatch", f"--config={path}", *overrides]
-    flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True, sys_argv=argv)
     try:
-        flag_values(argv)
-    except (AttributeError, KeyError, flags.Error) as err:  # unknown key, bad value, unreadable file
-        raise UsageError(f"cannot load {path} with {' '.join(overrides) or 'no overrides'}: {err}") from err
-    return flag_values.config
+        return tfs_config.load_config_file(path, overrides)
+    except tfs_config.ConfigError as err:
+        raise UsageError(str(err)) from err
 
 
 # ----------------------------------------------------------------------------------------- checks
@@ -246,6 +243,7 @@ def edit_values(args: argparse.Namespace, overrides: list[str]) -> dict[str, str
         "DATA_DIR": double_quote(data_dir_path(args.data_dir) if args.data_dir else ""),
         "STAGE_DIR": double_quote(args.stage_dir),
         "DOCTOR": double_quote(args.doctor),
+        "PROGRAM": double_quote(args.program),
     }
     if args.backend == "horovod":
         values["LAUNCHER"] = double_quote(args.launcher)
