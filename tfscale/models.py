@@ -369,11 +369,11 @@ def describe(model: keras.Model) -> dict:
     return {
         "params": int(model.count_params()),
         "trainable_params": int(trainable_params),
-        "flops_per_image": 2 * sum(_multiply_adds_per_image(layer) for layer in model.layers),
+        "flops_per_image": 2 * sum(multiply_adds_per_image(layer) for layer in model.layers),
     }
 
 
-def _multiply_adds_per_image(layer) -> int:
+def multiply_adds_per_image(layer) -> int:
     """Kernel size (= multiply-adds per output position) times the number of output positions."""
     if isinstance(layer, layers.Conv2D):
         output_shape = layer.output.shape

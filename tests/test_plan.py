@@ -1,0 +1,163 @@
+"""tfscale-plan: the performance model's formulas against hand-computed values, its sanity, its inputs and its CLI."""
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+
+import pytest
+from conftest import REPO, load_config, run_cli
+
+from tfscale import allreduce_bench, plan, plan_model
+from tfscale.plan_model import System, Workload
+
+SYSTEM = System(name="test", gpus_per_node=4, gpu_images_per_sec=400.0, intra_node_GBps=12.0,
+                intra_node_latency_us=5.7, inter_node_GBps=3.0, inter_node_latency_us=14.0)
+S = 100e6  # bytes
+
+
+def test_ring_allreduce_is_nccl_tests_formula():
+    # 2 (n-1)/n S / B + 2 (n-1) latency: 1.5 x 100 MB / 10 GB/s = 15 ms, plus 6 steps of 5 us.
+    assert plan_model.ring_allreduce_s(S, 4, 10.0, 5.0) == pytest.approx(0.015 + 6 * 5e-6)
+    assert plan_model.ring_allreduce_s(S, 1, 10.0, 5.0) == 0.0
+
+
+def test_allreduce_in_one_node_and_across_nodes():
+    base = plan_model.NCCL_BASE_LATENCY_US * 1e-6
+    # One node of 4: the GPUs' link, 6 steps at the in-node latency.
+    assert plan_model.allreduce_s(S, 4, SYSTEM) == pytest.approx(base + 1.5 * S / 12e9 + 6 * 5.7e-6)
+    # Two nodes, one ring of 8: the network's bandwidth; of its 14 steps, 2 cross nodes (NCCL's tuner).
+    assert plan_model.allreduce_s(S, 8, SYSTEM) == pytest.approx(base + 2 * 7 / 8 * S / 3e9 + 12 * 5.7e-6 + 2 * 14e-6)
+    # Hierarchical: a ring all-reduce's worth in the node, then MPI (Rabenseifner) over 4 nodes: 2 log2(4) latencies.
+    in_node = 2 * 3 / 4 * S / 12e9 + 6 * 5.7e-6
+    between = 2 * 3 / 4 * S / 3e9 + 2 * 2 * 14e-6
+    assert plan_model.allreduce_s(S, 16, SYSTEM, "hierarchical") == pytest.approx(base + in_node + between)
+
+
+def test_fusion_packs_consecutive_tensors():
+    assert plan_model.buckets([10, 20, 30, 40], 50) == [30, 30, 40]
+    assert plan_model.buckets([10, 20, 30], 0) == [60]  # no fusion limit: one message
+    assert plan_model.buckets([10, 20, 30], 1) == [10, 20, 30]  # each tensor alone
+
+
+def workload(**fields) -> Workload:
+    layers = ((4_000, 1e9), (8_000_000, 4e9), (40_000_000, 2e9), (4_000_000, 1e8))  # forward order
+    return Workload(model="toy", per_gpu_batch=64, layers=layers, **fields)
+
+
+def test_after_the_backward_pass_nothing_hides():
+    w = workload(overlap="none", fusion_bytes=0)
+    total, exposed = plan_model.exposed_allreduce_s(w, SYSTEM, 8, compute_s=0.16)
+    assert exposed == total == pytest.approx(plan_model.allreduce_s(w.gradient_bytes, 8, SYSTEM))
+
+
+def test_tensor_by_tensor_hides_what_the_backward_pass_covers():
+    w = workload(overlap="per_tensor", fusion_bytes=64 << 20, cycle_ms=1.0)
+    total, exposed = plan_model.exposed_allreduce_s(w, SYSTEM, 8, compute_s=1.0)  # a long backward pass
+    assert exposed < 0.2 * total  # only the last-ready layers' message after the backward pass ends
+    no_overlap = dataclasses.replace(SYSTEM, overlap_efficiency=0.0)
+    assert plan_model.exposed_allreduce_s(w, no_overlap, 8, compute_s=1.0)[1] == pytest.approx(total)
+
+
+def test_calibration_recovers_the_overlap_efficiency_it_was_given():
+    w = workload(overlap="per_tensor", fusion_bytes=64 << 20, cycle_ms=5.0)
+    system = dataclasses.replace(SYSTEM, overlap_efficiency=0.37, gpu_images_per_sec=200.0)
+    efficiency = plan_model.predict(w, system, [16])[0]["efficiency"]
+    assert plan_model.calibrate_overlap(w, system, 16, efficiency) == pytest.approx(0.37, abs=1e-9)
+
+
+def test_more_bandwidth_or_less_latency_never_predicts_slower():
+    w = workload(overlap="per_tensor", fusion_bytes=8 << 20, cycle_ms=5.0)
+    gpus = [1, 2, 4, 8, 16, 32, 64, 128]
+    for algorithm, field in itertools.product(("ring", "hierarchical"),
+                                              ("intra_node_GBps", "inter_node_GBps", "overlap_efficiency")):
+        w = dataclasses.replace(w, algorithm=algorithm)
+        values = [0.2, 0.5, 1.0] if field == "overlap_efficiency" else [1.0, 3.0, 12.0, 50.0]
+        rates = [[r["images_per_sec"] for r in plan_model.predict(w, dataclasses.replace(SYSTEM, **{field: v}), gpus)]
+                 for v in values]
+        for slower, faster in zip(rates, rates[1:]):
+            assert all(f >= s - 1e-9 for s, f in zip(slower, faster)), (algorithm, field)
+    for field in ("intra_node_latency_us", "inter_node_latency_us"):
+        rates = [[r["images_per_sec"] for r in plan_model.predict(w, dataclasses.replace(SYSTEM, **{field: v}), gpus)]
+                 for v in (50.0, 10.0, 1.0)]
+        for slower, faster in zip(rates, rates[1:]):
+            assert all(f >= s - 1e-9 for s, f in zip(slower, faster)), field
+
+
+def test_a_node_with_too_few_cores_for_jpeg_decoding_is_input_bound():
+    system = dataclasses.replace(SYSTEM, cpu_cores_per_gpu=2, decode_images_per_sec_per_core=100.0)
+    row = plan_model.predict(workload(), system, [4])[0]
+    assert row["input_bound"] and row["per_gpu_images_per_sec"] == pytest.approx(200.0)
+    storage = dataclasses.replace(SYSTEM, read_MBps_per_node=110.0, image_bytes=110e3)  # 1000 images/s per node
+    assert plan_model.predict(workload(), storage, [4])[0]["per_gpu_images_per_sec"] == pytest.approx(250.0)
+
+
+def test_efficiency_against_one_node_and_the_wall_time():
+    rows = plan_model.predict(workload(), SYSTEM, [1, 4, 8])
+    node = rows[1]["images_per_sec"]
+    assert rows[2]["efficiency_vs_node"] == pytest.approx((rows[2]["images_per_sec"] / node) / 2)
+    assert rows[1]["efficiency_vs_node"] == pytest.approx(1.0)
+    assert rows[0]["hours_for_epochs"] == pytest.approx(90 * 1_281_167 / 400.0 / 3600)
+
+
+def test_default_gpu_counts():
+    assert plan_model.default_gpu_counts(4, 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert plan_model.default_gpu_counts(8, 24) == [1, 2, 4, 8, 16, 24]
+
+
+def test_gradient_bytes_are_the_models_trainable_parameter_bytes():
+    cfg = load_config("r50_32gpu")
+    w = plan.workload_from_config(cfg)
+    assert w.gradient_bytes == 25_557_032 * 4  # ResNet-50's trainable parameters (torchvision's count), float32
+    assert w.per_gpu_batch == 128 and w.overlap == "none"  # tfscale all-reduces after the backward pass
+    horovod_fp16 = load_config("r50_32gpu:amp", "--config.distribute.backend=horovod",
+                               "--config.distribute.horovod_fp16_allreduce=True")
+    assert plan.workload_from_config(horovod_fp16, layers=w.layers).wire_factor == 0.5
+
+
+def test_the_link_fitted_from_an_allreduce_table_gives_its_times_back():
+    rows = [{"size_bytes": size, "time_us": 1e6 * plan_model.ring_allreduce_s(size, 2, 0.4, 900.0)}
+            for size in (1024, 1 << 20, 64 << 20)]
+    bandwidth, latency = plan.link_from_allreduce(rows, num_replicas=2)
+    assert (bandwidth, latency) == (pytest.approx(0.4, rel=1e-3), pytest.approx(900.0 + 1024 / 0.4e9 * 1e6 / 2, rel=1e-3))
+
+
+def test_allreduce_benchmark_uses_nccl_tests_busbw():
+    assert allreduce_bench.bus_bandwidth(1e9, 0.1, 8) == (pytest.approx(10.0), pytest.approx(17.5))
+    assert allreduce_bench.bus_bandwidth(1e9, 0.1, 2) == (pytest.approx(10.0), pytest.approx(10.0))
+    assert allreduce_bench.message_sizes(1024, 16384, 4) == [1024, 4096, 16384]
+
+
+def test_a_system_file_with_an_unknown_field_is_named(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({**dataclasses.asdict(SYSTEM), "nvlink": True}))
+    with pytest.raises(ValueError, match=r"cluster.json: unknown field\(s\) nvlink"):
+        plan.load_system(str(path))
+
+
+def test_plan_prints_the_table_for_the_32_gpu_recipe_on_the_p100_cluster(tmp_path):
+    result = run_cli("tfscale.plan", "--config=r50_32gpu", "--system=p100_ib_4gpu", f"--output_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("tfscale-plan: resnet50, 128 images per GPU, 102.2 MB of gradients")
+    assert "1 GPU 249.28 images/sec" in lines[0]  # the published one-GPU point at that batch
+    rows = [line.split() for line in lines[2:] if re.match(r"\s*\d", line)]
+    assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16, 32, 64]
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert [r["gpus"] for r in written["rows"]] == [1, 2, 4, 8, 16, 32, 64]
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_the_comparison_in_docs_scaling_md_is_what_the_command_prints():
+    result = run_cli("tfscale.plan", "--published")
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = open(os.path.join(REPO, "docs", "scaling.md")).read()
+    begin, end = "<!-- tfscale-plan --published: begin -->\n", "<!-- tfscale-plan --published: end -->"
+    committed = doc[doc.index(begin) + len(begin):doc.index(end)].strip()
+    assert committed == result.stdout.strip(), "regenerate docs/scaling.md's table with `tfscale-plan --published`"
+    summary = committed.splitlines()[-1]
+    median, worst = map(float, re.search(r"median absolute error (\d+\.\d) .*worst (\d+\.\d)", summary).groups())
+    assert math.isfinite(median) and median <= worst

@@ -1,0 +1,241 @@
+"""The performance model behind `tfscale-plan`: a data-parallel job's step time at N GPUs, from first principles.
+
+Pure Python, no fitted parameters but one per system (`System.overlap_efficiency`); docs/scaling.md gives
+each formula and its source, tests/test_plan.py checks them against hand-computed values.
+
+  compute     T_c = B / X_1: the per-GPU batch over one GPU's images/sec (tfscale-bench, or published)
+  gradients   S = the bytes of the model's trainable weights (half of it with float16 on Horovod's wire)
+  all-reduce  a ring over the N GPUs (NCCL): 2(N-1)/N S/bw + 2(N-1) lat, with bw and lat those of the
+              slowest link the ring crosses (the node's network once the job spans nodes, else the link
+              between GPUs: nccl-tests' busbw), NCCL's latency per step; `hierarchical` (Horovod's):
+              reduce-scatter and all-gather in the node, MPI's all-reduce between the nodes
+  overlap     gradients become ready in reverse layer order during the backward pass (2/3 of T_c, each
+              layer's share in proportion to its FLOPs). Implementations that all-reduce tensor by tensor
+              (Horovod's DistributedOptimizer, tf_cnn_benchmarks) start when a cycle ends, fusing what is
+              ready up to the fusion buffer, one all-reduce at a time; tfscale's step all-reduces the
+              whole gradient list after the backward pass (nothing hides). Of what could hide, the
+              share `overlap_efficiency` does: the one constant per system, calibrated on one stated run
+  input       one GPU gets at most cores-per-GPU x decode-rate images/sec, a node at most its storage
+              read rate / image size
+  step        T = max(T_c + exposed all-reduce, B / input rate), X_N = N B / T
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# The backward pass costs twice the forward (two matrix products per forward one), so 2/3 of a step.
+BACKWARD_SHARE = 2 / 3
+# NCCL's tuner: latency of one ring all-reduce call before its steps (src/graph/tuning.cc baseLatencies,
+# Ring / Simple, NVIDIA/nccl 5067397c); the per-step latencies are each System's.
+NCCL_BASE_LATENCY_US = 8.4
+ALGORITHMS = ("ring", "hierarchical")
+OVERLAPS = ("none", "per_tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """A cluster as the model sees it. Bandwidths are GB/s (1e9 bytes) in one direction."""
+
+    name: str
+    gpus_per_node: int
+    gpu_images_per_sec: float  # X_1: one GPU, this model, batch and precision (measured or published)
+    intra_node_GBps: float  # busbw of an all-reduce among one node's GPUs (NVLink, PCIe)
+    intra_node_latency_us: float  # per ring step inside a node
+    inter_node_GBps: float  # one node's network (what a ring crossing nodes is limited by)
+    inter_node_latency_us: float  # per ring step once the ring crosses nodes
+    cpu_cores_per_gpu: float = 0.0  # input: cores decoding for each GPU (0: input not modelled, synthetic data)
+    decode_images_per_sec_per_core: float = 0.0  # input: JPEG decode + augment rate of one core
+    read_MBps_per_node: float = 0.0  # input: what a node reads from storage (0: not limiting)
+    image_bytes: float = 110e3  # input: mean encoded image (ImageNet's JPEGs: ~110 KB)
+    # The one calibration constant: the share of the all-reduce time spent while the backward pass runs that
+    # it hides (1: all of it, the physics; 0: none, as if the GPU waited for every message). How well a
+    # framework overlaps, with NCCL's kernels taking SMs and memory bandwidth from the backward pass, is
+    # the part no spec sheet gives: calibrated on one stated run per system (docs/scaling.md).
+    overlap_efficiency: float = 1.0
+    calibration: str = ""  # where overlap_efficiency comes from
+    sources: dict = dataclasses.field(default_factory=dict)  # field -> where its value comes from
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one step computes and sends."""
+
+    model: str
+    per_gpu_batch: int
+    layers: tuple[tuple[int, int], ...]  # (gradient bytes, forward FLOPs per image) per layer, forward order
+    algorithm: str = "ring"  # ALGORITHMS
+    overlap: str = "none"  # OVERLAPS
+    fusion_bytes: int = 0  # all-reduces of at most this many bytes (0: one message per ready set / step)
+    cycle_ms: float = 1.0  # per_tensor: how often ready tensors are collected (Horovod's cycle time)
+    wire_factor: float = 1.0  # bytes on the wire per gradient byte (0.5: float16 compression)
+    # Bytes of the step's other all-reduces, none of which hides (tfscale: BatchNorm's moving statistics
+    # averaged after the update, then the loss with the stop flag).
+    step_collectives: tuple[int, ...] = ()
+    num_train_examples: int = 1_281_167
+    epochs: float = 90.0
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(size for size, _ in self.layers)
+
+
+# --- all-reduce cost ---------------------------------------------------------------------------------------
+
+
+def ring_allreduce_s(size_bytes: float, n: int, bandwidth_GBps: float, latency_us: float) -> float:
+    """Seconds of a ring all-reduce of `size_bytes` per rank over `n` ranks (nccl-tests' PERFORMANCE.md)."""
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * size_bytes / (bandwidth_GBps * 1e9) + 2 * (n - 1) * latency_us * 1e-6
+
+
+def allreduce_s(size_bytes: float, num_gpus: int, system: System, algorithm: str = "ring") -> float:
+    """Seconds to all-reduce `size_bytes` per GPU over `num_gpus` GPUs packed `gpus_per_node` to a node.
+
+    Latency as NCCL's own tuner counts it (src/graph/tuning.cc, ring): a base latency per call, then
+    each of the 2(N-1) steps at the intra-node latency, but the 2(nodes-1) steps that cross nodes at
+    the network's.
+    """
+    if num_gpus <= 1 or size_bytes <= 0:
+        return 0.0
+    nodes = math.ceil(num_gpus / system.gpus_per_node)
+    base_s = NCCL_BASE_LATENCY_US * 1e-6
+    if algorithm == "ring" or nodes == 1:  # one ring through every GPU: its steps wait for the slowest link
+        bandwidth = system.intra_node_GBps if nodes == 1 else min(system.intra_node_GBps, system.inter_node_GBps)
+        inter_steps = 2 * (nodes - 1)
+        latency_s = ((2 * (num_gpus - 1) - inter_steps) * system.intra_node_latency_us
+                     + inter_steps * system.inter_node_latency_us) * 1e-6
+        return base_s + ring_allreduce_s(size_bytes, num_gpus, bandwidth, 0.0) + latency_s
+    if algorithm != "hierarchical":
+        raise ValueError(f"all-reduce algorithm {algorithm!r} is not one of: {', '.join(ALGORITHMS)}")
+    # Reduce-scatter and all-gather in the node move (g-1)/g of S each: one ring all-reduce's worth. Between
+    # the nodes an MPI all-reduce of S (Horovod's hierarchical mode): Rabenseifner's reduce-scatter + all-gather,
+    # 2 (m-1)/m S / bw + 2 log2(m) latencies (Thakur, Rabenseifner & Gropp 2005, IJHPCA 19(1), section 4.5).
+    in_node = ring_allreduce_s(size_bytes, system.gpus_per_node, system.intra_node_GBps, system.intra_node_latency_us)
+    between = (ring_allreduce_s(size_bytes, nodes, system.inter_node_GBps, 0.0)
+               + 2 * math.ceil(math.log2(nodes)) * system.inter_node_latency_us * 1e-6)
+    return base_s + in_node + between
+
+
+def buckets(sizes: list[int], fusion_bytes: int) -> list[int]:
+    """Fused message sizes: consecutive tensors packed up to `fusion_bytes` (0: all in one)."""
+    if not fusion_bytes:
+        return [sum(sizes)] if sizes else []
+    fused, current = [], 0
+    for size in sizes:
+        if current and current + size > fusion_bytes:
+            fused.append(current)
+            current = 0
+        current += size
+    return fused + ([current] if current else [])
+
+
+def exposed_allreduce_s(workload: Workload, system: System, num_gpus: int, compute_s: float) -> tuple[float, float]:
+    """(all-reduce seconds in all, seconds of it not hidden behind the backward pass) for one step."""
+    wire = [size * workload.wire_factor for size, _ in reversed(workload.layers)]  # the backward pass's order
+    cost = lambda size: allreduce_s(size, num_gpus, system, workload.algorithm)  # noqa: E731
+    if num_gpus == 1:
+        return 0.0, 0.0
+    others = sum(cost(size) for size in workload.step_collectives)
+    if workload.overlap == "none":  # after the backward pass, fused messages one after another
+        total = sum(cost(size) for size in buckets(wire, workload.fusion_bytes)) + others
+        return total, total
+    if workload.overlap != "per_tensor":
+        raise ValueError(f"overlap {workload.overlap!r} is not one of: {', '.join(OVERLAPS)}")
+    total, tail = _per_tensor_timeline(workload, wire, cost, compute_s)
+    return total + others, tail + (1 - system.overlap_efficiency) * (total - tail) + others
+
+
+def _per_tensor_timeline(workload: Workload, wire: list[float], cost, compute_s: float) -> tuple[float, float]:
+    """(all-reduce seconds in all, seconds of it after the backward pass) when tensors go as they are ready."""
+    backward_s = BACKWARD_SHARE * compute_s
+    flops = [f for _, f in reversed(workload.layers)]
+    total_flops = sum(flops) or 1
+    ready, done = [], 0.0
+    for f in flops:  # a layer's gradients are ready once the backward pass has gone through it
+        done += backward_s * f / total_flops
+        ready.append(done)
+    cycle_s = workload.cycle_ms * 1e-3
+    network_free, sent, total = 0.0, 0, 0.0
+    tick = cycle_s or ready[0]
+    while sent < len(wire):  # every cycle: what is ready goes out, fused, each message after the previous
+        ready_now = [wire[i] for i in range(sent, len(wire)) if ready[i] <= tick]
+        for size in buckets(ready_now, workload.fusion_bytes):
+            start = max(tick, network_free)
+            network_free = start + cost(size)
+            total += cost(size)
+        sent += len(ready_now)
+        # No cycle (cycle_ms=0): each tensor goes as soon as it is ready.
+        tick = tick + cycle_s if cycle_s else (ready[sent] if sent < len(wire) else tick)
+    return total, max(0.0, network_free - backward_s)
+
+
+# --- the prediction ------------------------------------------------------------------------------------------
+
+
+def input_images_per_sec(system: System) -> float:
+    """What the CPU and storage can feed one GPU (inf where not modelled)."""
+    limits = []
+    if system.cpu_cores_per_gpu and system.decode_images_per_sec_per_core:
+        limits.append(system.cpu_cores_per_gpu * system.decode_images_per_sec_per_core)
+    if system.read_MBps_per_node:
+        limits.append(system.read_MBps_per_node * 1e6 / system.image_bytes / system.gpus_per_node)
+    return min(limits) if limits else math.inf
+
+
+def predict_point(workload: Workload, system: System, num_gpus: int) -> dict:
+    batch = workload.per_gpu_batch
+    compute_s = batch / system.gpu_images_per_sec
+    allreduce_total_s, exposed_s = exposed_allreduce_s(workload, system, num_gpus, compute_s)
+    input_s = batch / input_images_per_sec(system)
+    step_s = max(compute_s + exposed_s, input_s)
+    images_per_sec = num_gpus * batch / step_s
+    return {"gpus": num_gpus, "nodes": math.ceil(num_gpus / system.gpus_per_node), "images_per_sec": images_per_sec,
+            "per_gpu_images_per_sec": images_per_sec / num_gpus, "step_ms": step_s * 1e3,
+            "compute_ms": compute_s * 1e3, "allreduce_ms": allreduce_total_s * 1e3, "exposed_ms": exposed_s * 1e3,
+            "input_bound": input_s > compute_s + exposed_s,
+            "hours_for_epochs": workload.epochs * workload.num_train_examples / images_per_sec / 3600}
+
+
+def predict(workload: Workload, system: System, gpu_counts: list[int]) -> list[dict]:
+    """One row per GPU count: images/sec, speedup and efficiency against 1 GPU and against one full node."""
+    rows = [predict_point(workload, system, n) for n in gpu_counts]
+    one = predict_point(workload, system, 1)["images_per_sec"]
+    node = predict_point(workload, system, system.gpus_per_node)["images_per_sec"]
+    for row in rows:
+        row["speedup"] = row["images_per_sec"] / one
+        row["efficiency"] = row["speedup"] / row["gpus"]
+        # E_G = (X_G / X_ref) / (G / G_ref) with the reference one node of G_ref GPUs.
+        row["efficiency_vs_node"] = (row["images_per_sec"] / node) / (row["gpus"] / system.gpus_per_node)
+    return rows
+
+
+def calibrate_overlap(workload: Workload, system: System, num_gpus: int, efficiency: float) -> float:
+    """The overlap_efficiency at which the model gives `efficiency` at `num_gpus` (clipped to [0, 1]).
+
+    The exposed time is linear in it (`exposed_allreduce_s`), so one measured point determines it.
+    """
+    compute_s = workload.per_gpu_batch / system.gpu_images_per_sec
+    full = dataclasses.replace(system, overlap_efficiency=1.0)
+    total, tail = exposed_allreduce_s(workload, full, num_gpus, compute_s)
+    never_hidden = exposed_allreduce_s(workload, dataclasses.replace(system, overlap_efficiency=0.0), num_gpus,
+                                       compute_s)[1]
+    if never_hidden <= tail:
+        return 1.0
+    exposed = compute_s / efficiency - compute_s  # the step time the point implies, less the compute
+    return min(1.0, max(0.0, (never_hidden - exposed) / (never_hidden - tail)))
+
+
+def default_gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
+    """1, 2, 4, ... up to a node, then whole nodes doubling: 1, 2, 4, 8, 16, ... max_gpus."""
+    counts, n = [], 1
+    while n < gpus_per_node and n <= max_gpus:
+        counts.append(n)
+        n *= 2
+    n = gpus_per_node
+    while n <= max_gpus:
+        counts.append(n)
+        n *= 2
+    return sorted(set(counts + ([max_gpus] if max_gpus not in counts else [])))
