@@ -87,4 +87,12 @@ def test_sweep_runs_one_and_two_workers_and_reports(tmp_path):
     x1, x2 = (reports[n]["total_images_per_sec"] for n in (1, 2))
     assert f"| mwms synthetic | 2 | {x2:.2f} | {x2 / x1:.2f}x | {100 * x2 / (2 * x1):.1f}% |" in result.stdout
     assert (tmp_path / "report.png").stat().st_size > 10_000
-    assert "| mwms synthetic | 1 |" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| mwms synthetic | 1 |" in report
+    # tfscale-plan's prediction of the 2-worker point from the 1-worker rate and the all-reduce table measured after it.
+    assert "## Predicted (tfscale-plan from the 1-worker run and the all-reduce table) vs measured" in report
+    [predicted] = json.loads((tmp_path / "prediction.json").read_text())
+    assert (predicted["backend"], predicted["workers"]) == ("mwms", 2)
+    assert predicted["measured_images_per_sec"] == x2 and 0 < predicted["predicted_efficiency"] <= 1
+    allreduce = json.loads((tmp_path / "mwms_2_allreduce" / "benchmark.json").read_text())
+    assert allreduce["mode"] == "allreduce" and allreduce["num_replicas"] == 2

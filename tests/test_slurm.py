@@ -297,6 +297,34 @@ def test_a_task_sizes_its_threads_to_slurm_cpus_per_task_bound_or_not(slurm, tmp
     assert sorted(re.findall(r"^task \d affinity (\d) usable (\d)$", text, re.M)) == [(str(affinity), "1")] * 2, text
 
 
+@pytest.mark.slow
+def test_scaling_sweep_on_one_and_two_nodes_writes_the_report(slurm, tmp_path):
+    # tools/scaling_sweep.py through real sbatch: a benchmark job per node count (1 task per node here: the one-node
+    # job is the one-"GPU" reference), then the report job after both (--dependency=afterany). Horovod over
+    # srun --mpi=pmix: the test bed's two nodes are one host, where two MWMS workers of a node count would both
+    # take the node's first port.
+    pair_partition_or_skip(slurm)
+    horovod_with_mpi_or_skip(slurm)
+    workdir = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "scaling_sweep.py"), "--config=configs/smoke.py", "--nodes=1,2",
+         "--gpus_per_node=0", "--tasks_per_node=1", "--backend=horovod", "--launcher=srun-pmix", f"--workdir={workdir}",
+         "--partition=pair",
+         "--time=00:10:00", "--num_batches=10", "--num_warmup_batches=3", "--allreduce_max_bytes=65536", "--submit"],
+        cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report_job = int(re.search(r"the report: job (\d+)", result.stdout).group(1))
+    assert slurm.wait(report_job) == [("COMPLETED", "0:0")], (workdir / "jobs").glob("*.out")
+    rows = json.loads((workdir / "scaling.json").read_text())["rows"]
+    assert [(r["nodes"], r["gpus"]) for r in rows] == [(1, 1), (2, 2)]
+    assert rows[0]["speedup"] == pytest.approx(1.0) and rows[1]["images_per_sec"] > 0
+    assert all(r["predicted_images_per_sec"] > 0 and r["gradient_busbw_GBps"] > 0 for r in rows[1:])
+    text = (workdir / "scaling.md").read_text()
+    assert "| nodes | GPUs | images/sec | predicted | speedup | efficiency (1 GPU) |" in text
+    assert re.search(r"^\| 2 \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", text, re.M), text
+    assert (workdir / "scaling.png").stat().st_size > 10_000
+
+
 # Two MWMS trainings at once in one 4-task job on the testbed's two nodes: each an `srun --nodes=1
 # --ntasks=2` step, i.e. part of the allocation (--exact: a step gets only the CPUs it asks for).
 # The wrapper prints what the step is, then becomes the training process.

@@ -10,8 +10,14 @@ with the workers, as in the Horovod paper and tf_cnn_benchmarks tables. Each wor
 isolates what multi-worker training costs (all-reduce, synchronisation). Backends are measured
 interleaved (1 worker of each, then 2 of each, ...), so a slow moment of the host does not favour
 one. Writes WORKDIR/<backend>_<N>/benchmark.json, WORKDIR/report.md and WORKDIR/report.png.
+
+With --predict (default) each worker count above one also runs the all-reduce benchmark
+(benchmark.mode=allreduce) right after its step benchmark, and tfscale-plan predicts that point from
+the 1-worker rate and that all-reduce table alone (the link fitted as tfscale.plan.link_from_allreduce
+does); report.md shows predicted beside measured (docs/scaling.md).
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -22,7 +28,8 @@ from absl import app, flags
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)  # run from a checkout
 
-from tfscale import scaling  # noqa: E402
+from tfscale import config as tfs_config  # noqa: E402
+from tfscale import plan, plan_model, scaling  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "Where the runs and the report go.")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker counts to measure.")
@@ -34,51 +41,118 @@ _NUM_BATCHES = flags.DEFINE_integer("num_batches", 60, "Timed steps per run.")
 _WARMUP = flags.DEFINE_integer("num_warmup_batches", 10, "Untimed steps per run.")
 _THREADS = flags.DEFINE_integer("threads_per_worker", 1, "Threads per worker (0: the launcher's default).")
 _REFERENCE = flags.DEFINE_integer("reference", None, "Worker count of the reference (default: the smallest).")
+_PREDICT = flags.DEFINE_bool("predict", True, "Also measure the all-reduce table at each worker count > 1 and print "
+                             "tfscale-plan's prediction from it and the 1-worker run beside the measurement.")
+_ALLREDUCE_MAX_BYTES = flags.DEFINE_integer("allreduce_max_bytes", 16 << 20, "--predict: largest all-reduce message.")
 
 _BACKEND_NAMES = ("mwms", "horovod")  # launcher and config spell them alike
 flags.register_validator("backends", lambda names: set(names) <= set(_BACKEND_NAMES), "--backends: mwms and/or horovod")
 
 
-def benchmark_command(backend: str, num_workers: int, workdir: str, overrides: list[str]) -> list[str]:
-    """The launcher command for one point of the sweep."""
+def config_overrides(backend: str, num_workers: int, mode: str, overrides: list[str]) -> list[str]:
+    """The --config.* of one point of the sweep (weak scaling: the global batch grows with the workers)."""
     global_batch = _PER_WORKER_BATCH.value * num_workers
-    threads = [f"--threads_per_worker={_THREADS.value}"] if _THREADS.value else []
     return [
-        sys.executable, "-m", "tfscale.launch", f"--num_workers={num_workers}", f"--backend={backend}", *threads, "--",
-        "-m", "tfscale.benchmark", f"--config={_CONFIG.value}", f"--workdir={workdir}",
-        f"--config.benchmark.mode={_MODE.value}", f"--config.distribute.backend={backend}",
+        f"--config.benchmark.mode={mode}", f"--config.distribute.backend={backend}",
         f"--config.data.global_batch_size={global_batch}",
         # Only so that validation accepts the batch: synthetic steps never run out of examples.
-        *([f"--config.data.num_train_examples={global_batch * 1000}"] if _MODE.value == "synthetic" else []),
+        *([f"--config.data.num_train_examples={global_batch * 1000}"] if mode in ("synthetic", "allreduce") else []),
         f"--config.benchmark.num_batches={_NUM_BATCHES.value}",
         f"--config.benchmark.num_warmup_batches={_WARMUP.value}",
+        *([f"--config.benchmark.allreduce_max_bytes={_ALLREDUCE_MAX_BYTES.value}"] if mode == "allreduce" else []),
         *overrides,
     ]
 
 
-def measure(backend: str, num_workers: int, overrides: list[str]) -> str:
+def benchmark_command(backend: str, num_workers: int, workdir: str, mode: str, overrides: list[str]) -> list[str]:
+    """The launcher command for one point of the sweep."""
+    threads = [f"--threads_per_worker={_THREADS.value}"] if _THREADS.value else []
+    return [
+        sys.executable, "-m", "tfscale.launch", f"--num_workers={num_workers}", f"--backend={backend}", *threads, "--",
+        "-m", "tfscale.benchmark", f"--config={_CONFIG.value}", f"--workdir={workdir}",
+        *config_overrides(backend, num_workers, mode, overrides),
+    ]
+
+
+def measure(backend: str, num_workers: int, overrides: list[str], mode: str = "") -> str:
     """Runs one benchmark; returns its benchmark.json path, or exits with the run's last output."""
-    workdir = os.path.join(os.path.abspath(_WORKDIR.value), f"{backend}_{num_workers}")
+    mode = mode or _MODE.value
+    name = f"{backend}_{num_workers}" + ("_allreduce" if mode == "allreduce" else "")
+    workdir = os.path.join(os.path.abspath(_WORKDIR.value), name)
     shutil.rmtree(workdir, ignore_errors=True)
-    command = benchmark_command(backend, num_workers, workdir, overrides)
-    print(f"sweep: {backend} x {num_workers} worker(s) ...", flush=True)
+    command = benchmark_command(backend, num_workers, workdir, mode, overrides)
+    print(f"sweep: {name} ...", flush=True)
     result = subprocess.run(command, cwd=_REPO, capture_output=True, text=True,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     if result.returncode != 0:
-        sys.exit(f"sweep: {backend} x {num_workers} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    total = next(line for line in reversed(result.stdout.splitlines()) if "total images/sec:" in line)
-    print(f"sweep: {backend} x {num_workers}: {total.split('] ')[-1]}", flush=True)
+        sys.exit(f"sweep: {name} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    last = next(line for line in reversed(result.stdout.splitlines()) if line.strip())
+    print(f"sweep: {name}: {last.split('] ')[-1]}", flush=True)
     return os.path.join(workdir, "benchmark.json")
+
+
+def read(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def predicted_row(backend: str, num_workers: int, one_worker: dict, allreduce: dict, overrides: list[str]) -> dict:
+    """tfscale-plan's prediction of one point from the 1-worker rate and the all-reduce table at that size alone."""
+    cfg = tfs_config.load_config_file(_CONFIG.value, config_overrides(backend, num_workers, _MODE.value, overrides))
+    bandwidth, latency = plan.link_from_allreduce(allreduce["allreduce"], allreduce["num_replicas"])
+    system = plan_model.System(
+        name="loopback", gpus_per_node=num_workers, gpu_images_per_sec=one_worker["total_images_per_sec"],
+        intra_node_GBps=bandwidth, intra_node_latency_us=latency, inter_node_GBps=bandwidth,
+        inter_node_latency_us=latency)
+    row = plan_model.predict(plan.workload_from_config(cfg, per_gpu_batch=_PER_WORKER_BATCH.value), system,
+                             [num_workers])[0]
+    return {"backend": backend, "workers": num_workers, "link_GBps": bandwidth, "latency_us": latency,
+            "predicted_images_per_sec": row["images_per_sec"], "predicted_efficiency": row["speedup"] / num_workers}
+
+
+def prediction_table(rows: list[dict]) -> str:
+    lines = ["| backend | workers | link (fitted) | measured images/sec | predicted | measured efficiency | predicted | "
+             "error (points) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['backend']} | {r['workers']} | {r['link_GBps']:.2f} GB/s, {r['latency_us']:.0f} us/step | "
+                     f"{r['measured_images_per_sec']:.1f} | {r['predicted_images_per_sec']:.1f} | "
+                     f"{r['measured_efficiency']:.3f} | {r['predicted_efficiency']:.3f} | "
+                     f"{100 * (r['predicted_efficiency'] - r['measured_efficiency']):+.1f} |")
+    return "\n".join(lines)
 
 
 def main(argv):
     overrides = argv[1:]  # after `--`: more --config.x.y=v for every run
-    paths = [measure(backend, int(n), overrides) for n in _WORKERS.value for backend in _BACKENDS.value]
+    counts = [int(n) for n in _WORKERS.value]
+    if _PREDICT.value and 1 not in counts:
+        sys.exit("sweep: --predict needs a 1-worker run in --workers (the plan's reference)")
+    paths, allreduce_paths = [], {}
+    for n in counts:
+        for backend in _BACKENDS.value:  # interleaved, and each all-reduce table right after its step benchmark
+            paths.append(measure(backend, n, overrides))
+            if _PREDICT.value and n > 1:
+                allreduce_paths[backend, n] = measure(backend, n, overrides, mode="allreduce")
     tables = scaling.scaling_rows(scaling.load(paths), reference_workers=_REFERENCE.value)
     workdir = os.path.abspath(_WORKDIR.value)
     title = (f"weak scaling, {_MODE.value}, {_PER_WORKER_BATCH.value} images/worker/step, "
              f"{_THREADS.value or 'default'} thread(s)/worker")
-    print(scaling.write_report(tables, os.path.join(workdir, "report.md"), os.path.join(workdir, "report.png"), title))
+    report = scaling.write_report(tables, os.path.join(workdir, "report.md"), os.path.join(workdir, "report.png"), title)
+    if allreduce_paths:
+        measured = {(r["backend"], r["num_workers"]): r for r in map(read, paths)}
+        rows = []
+        for (backend, n), path in allreduce_paths.items():
+            row = predicted_row(backend, n, measured[backend, 1], read(path), overrides)
+            row["measured_images_per_sec"] = measured[backend, n]["total_images_per_sec"]
+            row["measured_efficiency"] = row["measured_images_per_sec"] / (n * measured[backend, 1]["total_images_per_sec"])
+            rows.append(row)
+        section = ("\n## Predicted (tfscale-plan from the 1-worker run and the all-reduce table) vs measured\n\n"
+                   + prediction_table(rows) + "\n")
+        with open(os.path.join(workdir, "report.md"), "a") as f:
+            f.write(section)
+        report += "\n" + section
+        with open(os.path.join(workdir, "prediction.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print(report)
     print(f"wrote {os.path.join(workdir, 'report.md')} and report.png")
 
 
