@@ -42,7 +42,7 @@ def test_pip_install_into_a_fresh_venv_then_train_from_elsewhere(tmp_path):
     _run([str(venv / "bin" / "tfscale-export"), "--workdir=run"], cwd=elsewhere)
     assert (elsewhere / "run" / "export" / "model.keras").is_file()
     doctor = _run([str(venv / "bin" / "tfscale-doctor"), "--only=gpus,horovod"], cwd=elsewhere).stdout
-    assert "N/A   horovod        Horovod is not installed" in doctor  # optional, and named as such
+    assert "N/A   horovod        Horovod is not installed (optional: `make horovod`" in doctor  # optional, named so
     assert doctor.strip().splitlines()[-1] == "summary: 0 pass, 0 fail, 2 n/a (gpus, horovod)"
 
 

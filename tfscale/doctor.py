@@ -31,6 +31,7 @@ logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner
 import dataclasses
 import glob
 import importlib.metadata
+import importlib.util
 import io as std_io
 import json
 import os
@@ -147,8 +148,10 @@ def check_horovod(gpus: list) -> Check:
     try:
         hvd = distribute.import_horovod()
     except ImportError as err:
-        installed = "not installed" in str(err)
-        return Check("horovod", NA if installed else FAIL, io.one_line(err))
+        if importlib.util.find_spec("horovod") is None:
+            return Check("horovod", NA, "Horovod is not installed (optional: `make horovod`; `make horovod-gpu` "
+                                        "builds it with NCCL)")
+        return Check("horovod", FAIL, io.one_line(err))  # installed, but it does not load into this TensorFlow
     built = [name for name, flag in (("NCCL", hvd.nccl_built()), ("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built()))
              if flag]
     detail = f"Horovod {importlib.metadata.version('horovod')} built with {', '.join(built) or 'nothing'}"
