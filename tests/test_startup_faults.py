@@ -1,4 +1,5 @@
-"""Start-up faults of a multi-worker (MWMS) job: each named, within `distribute.connect_timeout_s`, exit 69.
+"""Start-up faults of a multi-worker (MWMS) job: each named, within `distribute.connect_timeout_s`, exit 69;
+and the data faults any run finds before its first step: one FATAL line naming the file, exit 65 or 66.
 
 Real processes on 127.0.0.1, each worker given its TF_CONFIG by the test as srun or a user would:
 a worker that never starts (leader or not), a peer address whose port nobody listens on, this
@@ -9,6 +10,7 @@ reads as the out-of-memory killer.
 """
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -188,3 +190,40 @@ def test_launcher_exits_69_and_says_why():
     assert ("tfscale.launch: exit code 69: the cluster did not come up (EX_UNAVAILABLE); the workers' "
             "'tfscale pre-flight:' lines above name the workers, ports or host names at fault") in result.stderr
     print(f"launcher: exit {result.returncode} after {elapsed_s:.1f} s")
+
+
+# --- data faults found at start-up: one FATAL line each, a documented exit code, nothing written ---------------
+
+
+def _digits_run(shards, counts, workdir):
+    return subprocess.run(
+        [sys.executable, "-m", "tfscale.train", "--config=configs/digits.py", f"--workdir={workdir}",
+         f"--config.data.data_dir={shards}", f"--config.data.num_train_examples={counts['train']}",
+         f"--config.data.num_eval_examples={counts['validation']}"],
+        cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("fault, exit_code, line", [
+    ("manifest_not_json", 65, "FATAL data error: manifest {shards}/manifest-train.json is not valid JSON: "),
+    ("no_validation_split", 66, "FATAL data error: no TFRecord shards named validation-*-of-* in {shards} (exit code 66)"),
+    ("shard_cut_short", 65, "FATAL data error: shard {shards}/train-00001-of-00002 has 100 bytes but "),
+])
+def test_a_data_fault_at_start_up_is_one_fatal_line_with_its_exit_code(digit_shards, tmp_path, fault, exit_code,
+                                                                         line):
+    source, counts = digit_shards
+    shards = tmp_path / "shards"
+    shutil.copytree(source, shards)
+    if fault == "manifest_not_json":
+        (shards / "manifest-train.json").write_text('{"shards": [')  # a copy cut short
+    elif fault == "no_validation_split":
+        for path in shards.glob("*validation*"):
+            path.unlink()
+    else:
+        with open(shards / "train-00001-of-00002", "r+b") as f:
+            f.truncate(100)
+    workdir = tmp_path / "run"
+    result = _digits_run(shards, counts, workdir)
+    assert result.returncode == exit_code, result.stderr[-3000:]
+    assert line.format(shards=shards) in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not (workdir / "checkpoints").exists()

@@ -50,7 +50,7 @@ from absl import logging
 from tfscale import callbacks as tfs_callbacks
 from tfscale import config as tfs_config
 from tfscale import engine, io
-from tfscale.data import pipeline
+from tfscale.data import faults, pipeline
 
 _RULE = "-" * 64
 _MAD_TO_STDDEV = 1.4826  # scales a median absolute deviation to a normal standard deviation
@@ -366,9 +366,15 @@ def run_input_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     return report
 
 
+def main(cfg: ml_collections.ConfigDict, workdir: str) -> None:
+    """The CLI's work: the benchmark; a data fault ends it with one FATAL line and its exit code."""
+    with faults.fatal_on_data_faults():
+        run_benchmark(cfg, workdir)
+
+
 def run():
     """Console-script entry point (`tfscale-bench`)."""
-    tfs_config.run_cli(run_benchmark, workdir_help="Directory for benchmark.json (and a profiler trace).")
+    tfs_config.run_cli(main, workdir_help="Directory for benchmark.json (and a profiler trace).")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ class ManifestError(ValueError):
     """A manifest exists but cannot be used (not JSON, no list of shards); the message names the file."""
 
 
+class MissingDataError(FileNotFoundError):
+    """Data a run's config names is not there (a directory, a split, a listed shard, a prepared TFDS dataset)."""
+
+
 class WriteError(OSError):
     """A run's file could not be written (disk full, quota, permissions); names the path and the free space."""
 

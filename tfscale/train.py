@@ -40,7 +40,8 @@ EXIT_WORKDIR_BUSY = 73  # EX_CANTCREAT: another live job holds the workdir
 EXIT_WRITE_FAILED = 74  # EX_IOERR: a checkpoint, metrics or summary write failed (disk full, quota)
 EXIT_CONFIG = 1  # the run's config cannot run (or would change a resumed run's result): fix it
 EXIT_CHECKPOINT = 1  # no usable checkpoint in a workdir that has some
-EXIT_CORRUPT_DATA = 65  # EX_DATAERR: a truncated shard or an image that does not decode (named)
+EXIT_CORRUPT_DATA = faults.EXIT_CORRUPT_DATA  # 65 EX_DATAERR: a truncated shard, an image that does not decode
+EXIT_MISSING_DATA = faults.EXIT_MISSING_DATA  # 66 EX_NOINPUT: a data directory, split or shard that is not there
 
 
 class Preempted(Exception):
@@ -101,10 +102,11 @@ def _claim_workdir(cluster, workdir: str, cfg: ml_collections.ConfigDict) -> lis
 def exit_code(err: BaseException) -> int:
     """The process exit code for an error that ends a run (1 for anything unforeseen)."""
     codes = ((Preempted, EXIT_PREEMPTED), (workdirs.WorkdirBusy, EXIT_WORKDIR_BUSY), (io.WriteError, EXIT_WRITE_FAILED),
-             (tfs_config.ConfigError, EXIT_CONFIG), (checkpoints.CheckpointError, EXIT_CHECKPOINT),
-             (faults.CorruptDataError, EXIT_CORRUPT_DATA))
+             (tfs_config.ConfigError, EXIT_CONFIG), (checkpoints.CheckpointError, EXIT_CHECKPOINT))
     if isinstance(err, ChiefRefused):
         return err.exit_code
+    if isinstance(err, faults.DATA_FAULTS):
+        return faults.exit_code(err)
     return next((code for kind, code in codes if isinstance(err, kind)), 1)
 
 
@@ -364,14 +366,14 @@ def _watch_sigterm() -> tuple[threading.Event, callable]:
 
 def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> None:
     """The CLI's work: train, and turn a preemption or a fault the user must act on into its exit code
-    (config errors: `run_cli` prints them as one FATAL line)."""
+    (config errors: `run_cli` prints them as one FATAL line; data faults too, here)."""
     try:
-        train_and_evaluate(cfg, workdir, extra_callbacks)
+        with faults.fatal_on_data_faults():
+            train_and_evaluate(cfg, workdir, extra_callbacks)
     except Preempted as preempted:
         logging.warning("%s; exit code %d", preempted, EXIT_PREEMPTED)
         sys.exit(EXIT_PREEMPTED)
-    except (workdirs.WorkdirBusy, io.WriteError, checkpoints.CheckpointError, faults.CorruptDataError,
-            ChiefRefused) as err:
+    except (workdirs.WorkdirBusy, io.WriteError, checkpoints.CheckpointError, ChiefRefused) as err:
         logging.error("%s; exit code %d", err, exit_code(err))  # the user's to act on: one line, no traceback
         sys.exit(exit_code(err))
 

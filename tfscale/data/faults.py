@@ -19,6 +19,8 @@ only as a byte offset; neither names the file. So:
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Callable
 
 import tensorflow as tf
@@ -29,6 +31,29 @@ from tfscale import io as tfio
 
 class CorruptDataError(ValueError):
     """A shard or a record in it cannot be read; the message names the file (and record)."""
+
+
+# Exit codes (sysexits.h) of the data faults a run stops on; docs/reliability.md lists every exit code.
+EXIT_CORRUPT_DATA = 65  # EX_DATAERR: a shard cut short, a record that does not decode, a manifest that is not JSON
+EXIT_MISSING_DATA = 66  # EX_NOINPUT: the data directory, a split, a listed shard or the TFDS dataset is not there
+DATA_FAULTS = (CorruptDataError, tfio.ManifestError, tfio.MissingDataError)
+
+
+def exit_code(err: BaseException) -> int:
+    """The exit code of one of DATA_FAULTS."""
+    return EXIT_MISSING_DATA if isinstance(err, tfio.MissingDataError) else EXIT_CORRUPT_DATA
+
+
+@contextlib.contextmanager
+def fatal_on_data_faults():
+    """A data fault inside the block ends the process with one line, `FATAL data error: ...`, and its exit
+    code: the message names the file, so a traceback (TensorFlow's are long) would only bury it."""
+    try:
+        yield
+    except DATA_FAULTS as err:
+        code = exit_code(err)
+        print(f"FATAL data error: {err} (exit code {code})", file=sys.stderr, flush=True)
+        sys.exit(code)
 
 
 # Words of the errors an image decode or a tf.Example parse raises inside tf.data (InvalidArgumentError).

@@ -27,6 +27,7 @@ import ml_collections
 import tensorflow as tf
 
 from tfscale import devices
+from tfscale import io as tfio
 from tfscale.data import assignment, batch_augment, faults, preprocess, shard_dir, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
@@ -142,7 +143,7 @@ def _tfds_records(data_cfg, split: str, input_context, *, seed: int, shuffle_fil
         )
     builder = tfds.builder(data_cfg.tfds_name, data_dir=data_cfg.data_dir)
     if not builder.is_prepared():
-        raise FileNotFoundError(
+        raise tfio.MissingDataError(
             f"TFDS dataset {data_cfg.tfds_name!r} is not prepared in {data_cfg.data_dir}; tfscale never "
             "downloads: prepare it where the data is (tfds build / download_and_prepare) and copy data_dir"
         )

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfscale import io as tfio
 from tfscale.config import ConfigError
-from tfscale.data import stage
+from tfscale.data import faults, stage
 
 
 def list_shards(data_dir: str, split: str) -> list[str]:
@@ -24,12 +24,12 @@ def list_shards(data_dir: str, split: str) -> list[str]:
     number the files as in the full directory to pick its own (see `require_present`).
     """
     if not tf.io.gfile.isdir(data_dir):
-        raise FileNotFoundError(f"config.data.data_dir={data_dir!r} is not a directory")
+        raise tfio.MissingDataError(f"config.data.data_dir={data_dir!r} is not a directory")
     staged = stage.read_shard_list(data_dir, split)
     files = ([os.path.join(data_dir, name) for name in staged] if staged
              else sorted(tf.io.gfile.glob(os.path.join(data_dir, f"{split}-*-of-*"))))
     if not files:
-        raise FileNotFoundError(f"no TFRecord shards named {split}-*-of-* in {data_dir}")
+        raise tfio.MissingDataError(f"no TFRecord shards named {split}-*-of-* in {data_dir}")
     return files
 
 
@@ -39,7 +39,7 @@ def is_staged_copy(data_dir: str) -> bool:
 
 
 def require_present(paths: list[str], data_dir: str, what: str) -> None:
-    """FileNotFoundError naming a shard of `paths` that a staged copy lacks (and how many it lacks).
+    """MissingDataError naming a shard of `paths` that a staged copy lacks (and how many it lacks).
 
     Elsewhere the paths come from a glob and exist: no per-file stat (slow on remote storage).
     """
@@ -47,7 +47,7 @@ def require_present(paths: list[str], data_dir: str, what: str) -> None:
         return
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
-        raise FileNotFoundError(
+        raise tfio.MissingDataError(
             f"{len(missing)} of the {len(paths)} shards {what} are missing in the staged copy {data_dir}, e.g. "
             f"{os.path.basename(missing[0])}: it holds the train shards of the workers it was staged for, so "
             "tools/stage_data.py --num_workers/--worker_ranks/--assignment must match the training run")
@@ -78,10 +78,11 @@ def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, s
         if not tf.io.gfile.exists(path):
             if allow_missing:
                 continue
-            raise FileNotFoundError(f"shard {path} listed in {where} is missing")
+            raise tfio.MissingDataError(f"shard {path} listed in {where} is missing")
         size = tf.io.gfile.stat(path).length
         if size != shard["bytes"]:
-            raise ValueError(f"shard {path} has {size} bytes but {where} says {shard['bytes']}: truncated or corrupt")
+            raise faults.CorruptDataError(
+                f"shard {path} has {size} bytes but {where} says {shard['bytes']}: truncated or corrupt; re-convert it")
 
 
 def holds_only_jpeg(data_dir: str, split: str) -> bool:
