@@ -45,32 +45,64 @@ def make_idx_dir(root, *, n_train=300, n_test=60, compress=True, prefix=""):
     return source
 
 
-def make_cifar_dir(root, *, hundred=False, per_batch=40, n_test=30):
-    """CIFAR batches as cifar-10-batches-py / cifar-100-python hold them (bytes keys, 3072-byte rows)."""
+class Python2Pickler(pickle._Pickler):
+    """Pickles as Python 2's cPickle wrote CIFAR's batches: protocol 2, every str and bytes a Python 2 str
+    (SHORT_BINSTRING/BINSTRING: bytes when Python 3 loads them with encoding="bytes"), numpy's globals
+    under their numpy 1 module names (numpy.core.multiarray._reconstruct)."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def save_py2_str(self, obj):
+        data = obj.encode("latin-1") if isinstance(obj, str) else obj
+        if len(data) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(data)]) + data)
+        else:
+            self.write(pickle.BINSTRING + len(data).to_bytes(4, "little") + data)
+        self.memoize(obj)
+
+    def save_numpy1_global(self, obj, name=None):
+        module = obj.__module__.replace("numpy._core", "numpy.core")
+        self.write(pickle.GLOBAL + f"{module}\n{name or obj.__qualname__}\n".encode())
+        self.memoize(obj)
+
+    dispatch[str] = dispatch[bytes] = save_py2_str
+    dispatch[type] = dispatch[type(np.add.reduce)] = save_numpy1_global
+
+
+def pickle_like_python2(path, obj):
+    with open(path, "wb") as f:
+        Python2Pickler(f, protocol=2).dump(obj)
+
+
+def make_cifar_dir(root, *, hundred=False, per_batch=40, n_test=30, dump=pickle_like_python2):
+    """CIFAR batches as cifar-10-batches-py / cifar-100-python hold them: Python 2 pickles (str keys that load
+    as bytes), 3072-byte uint8 rows, the same entries. `dump=pickle.dump`: pickled by Python 3 instead."""
     rng = np.random.default_rng(2)
     os.makedirs(root, exist_ok=True)
-    num_classes, label_key = (100, b"fine_labels") if hundred else (10, b"labels")
+    num_classes, label_key = (100, "fine_labels") if hundred else (10, "labels")
 
     def batch(path, n):
         rows = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
         labels = rng.integers(0, num_classes, size=n).tolist()
-        with open(path, "wb") as f:
-            pickle.dump({b"data": rows, label_key: labels, b"batch_label": b"x"}, f)
+        entries = {"data": rows, label_key: labels, "batch_label": "training batch 1 of 5",
+                   "filenames": [f"image_{i:06d}.png" for i in range(n)]}
+        if hundred:
+            entries["coarse_labels"] = [label // 5 for label in labels]
+        dump(path, entries)
         return rows.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), np.array(labels)
 
-    names = [f"class_{i}".encode() for i in range(num_classes)]
+    names = [f"class_{i}" for i in range(num_classes)]
     if hundred:
         train = batch(os.path.join(root, "train"), 5 * per_batch)
         test = batch(os.path.join(root, "test"), n_test)
-        meta = ("meta", {b"fine_label_names": names, b"coarse_label_names": [b"c"] * 20})
+        meta = ("meta", {"fine_label_names": names, "coarse_label_names": [f"super_{i}" for i in range(20)]})
     else:
         parts = [batch(os.path.join(root, f"data_batch_{i}"), per_batch) for i in range(1, 6)]
         train = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
         test = batch(os.path.join(root, "test_batch"), n_test)
-        meta = ("batches.meta", {b"label_names": names, b"num_vis": 3072})
-    with open(os.path.join(root, meta[0]), "wb") as f:
-        pickle.dump(meta[1], f)
-    return {"train": train, "test": test, "classes": [n.decode() for n in names]}
+        meta = ("batches.meta", {"label_names": names, "num_cases_per_batch": per_batch, "num_vis": 3072})
+    dump(os.path.join(root, meta[0]), meta[1])
+    return {"train": train, "test": test, "classes": names}
 
 
 def convert_cli(fmt, input_dir, output_dir, *extra):
@@ -164,6 +196,50 @@ def test_cifar_pickles_to_shards_are_bytes_exact(tmp_path, hundred):
         assert_exact(records, source, source["classes"])
         assert all(pixels.shape == (32, 32, 3) for _, _, pixels, _, _ in records)
     assert json.load(open(tmp_path / "out" / "manifest-test.json"))["num_classes"] == (100 if hundred else 10)
+
+
+class RunsCode:
+    """What a crafted pickle can hold: an object whose unpickling calls any function with any arguments."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_cifar_batch_that_would_run_code_is_refused_before_it_runs(tmp_path):
+    make_cifar_dir(tmp_path / "cifar")
+    crafted, marker = tmp_path / "cifar" / "data_batch_1", tmp_path / "marker"
+    rows = np.zeros((40, 3072), np.uint8)
+    # A batch in the real format, but one entry runs a shell command when loaded.
+    pickle_like_python2(crafted, {"data": rows, "labels": [0] * 40, "batch_label": RunsCode(f"touch {marker}")})
+
+    result = convert_cli("cifar", tmp_path / "cifar", tmp_path / "out")
+    assert not marker.exists()
+    assert result.returncode == 1
+    assert f"{crafted} is not a CIFAR python batch, refused: it references posix.system" in result.stderr
+    assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "out" / "manifest-train.json")
+    with open(crafted, "rb") as f:  # the premise: the file does run code when loaded as pickle.load loads it
+        pickle.load(f, encoding="bytes")
+    assert marker.exists()
+
+
+def test_cifar_batches_load_numeric_arrays_only(tmp_path):
+    # Batches pickled by Python 3 (numpy 2's module names, bytes keys) load as the originals do.
+    source = make_cifar_dir(tmp_path / "py3", dump=lambda path, obj: pickle.dump(obj, open(path, "wb")))
+    loaded = arrays.load_cifar(str(tmp_path / "py3"))
+    assert np.array_equal(loaded["train"][0], source["train"][0]) and loaded["classes"] == source["classes"]
+    # An array of Python objects would unpickle its elements: refused even when they are harmless.
+    make_cifar_dir(tmp_path / "objects")
+    pickle_like_python2(tmp_path / "objects" / "test_batch", {"data": np.array([1, "x"], dtype=object), "labels": [0]})
+    with pytest.raises(ValueError, match=f"{tmp_path / 'objects' / 'test_batch'} is not a CIFAR python batch, "
+                                         "refused: an array of Python objects"):
+        arrays.load_cifar(str(tmp_path / "objects"))
+    with open(tmp_path / "objects" / "test_batch", "wb") as f:
+        f.write(b"\x80\x02}q\x00(U\x04data")  # cut short
+    with pytest.raises(ValueError, match="test_batch is not a CIFAR python batch"):
+        arrays.load_cifar(str(tmp_path / "objects"))
 
 
 def test_fashion_mnist_names_its_classes(tmp_path):

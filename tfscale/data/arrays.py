@@ -8,7 +8,9 @@ r"""The studies' datasets as they are distributed -> TFRecord shards: IDX files 
   `*train-labels-idx1-ubyte`, and the test pair (`t10k-` or `test-` in the name), gzip or not.
   EMNIST stores its images transposed; they are written as stored.
 * ``cifar``: the CIFAR-10 (`data_batch_1..5`, `test_batch`, `batches.meta`) or CIFAR-100 (`train`,
-  `test`, `meta`; fine labels) Python pickles.
+  `test`, `meta`; fine labels) Python pickles. They are read by an unpickler that builds nothing but
+  numpy arrays, dicts, lists, numbers and strings: a file holding anything else (a pickle can call
+  any function it names) is refused, naming the file, before any of it runs.
 
 Writes three splits in the standard layout (`train-00000-of-00016`, ..., manifests): `train`, a
 seeded, class-stratified `validation` split of `validation_examples` images held out of the training
@@ -86,9 +88,49 @@ def load_idx(input_dir: str) -> dict:
     return {"train": train, "test": test, "classes": classes}
 
 
+def _plain_dtype(spec, align=False, copy=False) -> np.dtype:
+    """np.dtype as a pickle rebuilds it, refusing object dtypes (their elements would be more pickled objects)."""
+    dtype = np.dtype(spec, align, copy)
+    if dtype.hasobject:
+        raise pickle.UnpicklingError(f"an array of Python objects (dtype {spec!r})")
+    return dtype
+
+
+# Everything a CIFAR-10/100 python batch references: numpy's array reconstruction (by its numpy 1 name, as
+# the files were written, and numpy 2's) and dtypes. The rest of a batch is dicts, lists, ints and strings.
+_CIFAR_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): _plain_dtype,
+}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that builds numeric arrays and plain containers only.
+
+    A pickle can name any importable callable and call it: `pickle.load` on a file someone hands you
+    runs their code. This one resolves no name outside _CIFAR_GLOBALS (and has no persistent_load).
+    """
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in _CIFAR_GLOBALS:
+            raise pickle.UnpicklingError(f"it references {module}.{name}, which no CIFAR batch holds")
+        return _CIFAR_GLOBALS[module, name]
+
+
 def _unpickle(path: str) -> dict:
-    with open(path, "rb") as f:
-        return {k.decode() if isinstance(k, bytes) else k: v for k, v in pickle.load(f, encoding="bytes").items()}
+    """A CIFAR python batch (a pickled dict) with str keys; ValueError naming the file for anything else."""
+    try:
+        with open(path, "rb") as f:
+            # encoding="bytes": the batches are Python 2 pickles whose str keys and data load as bytes.
+            loaded = _CifarUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            OverflowError) as err:
+        raise ValueError(f"{path} is not a CIFAR python batch, refused: {err}") from err
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} is not a CIFAR python batch: it holds a {type(loaded).__name__}, not a dict")
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in loaded.items()}
 
 
 def _cifar_batch(path: str, label_key: str) -> tuple[np.ndarray, np.ndarray]:
