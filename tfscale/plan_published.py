@@ -32,7 +32,7 @@ _HOROVOD_16 = "horovod/horovod README.md @f7eb2177 lines 25-38 (RDMA Horovod, al
 _HOROVOD_64 = "horovod/horovod README.md @f7eb2177 lines 40-49 (TCP Horovod, allreduce on GPU with NCCL)"
 _HOROVOD_128 = "horovod/horovod docs/benchmarks.md @cd2a3ce8 lines 5-6 (32 servers x 4 Pascal GPUs)"
 _HOROVOD_512 = "horovod/horovod docs/benchmarks.rst @2626dc87 lines 13-14 (128 servers x 4 Pascal GPUs)"
-_THESIS = "the thesis tfscale follows: Horovod + tf_cnn_benchmarks on P100 nodes of 4 GPUs, InfiniBand (issue 30)"
+_THESIS = "the thesis tfscale follows: Horovod + tf_cnn_benchmarks on P100 nodes of 4 GPUs, InfiniBand"
 
 
 def _system(name: str, gpus_per_node: int, inter_GBps: float, sources: dict) -> plan_model.System:

@@ -6,7 +6,8 @@
 Reads ImageNet-1k TFRecord shards (`train-*-of-*`, `validation-*-of-*`, 1-based labels: the layout of
 `tfscale-convert` and of the classic build_imagenet_data.py / imagenet_to_gcs.py converters) from
 `data.data_dir`, which is required. The reference recipe of Goyal et al. 2017 for a 256 batch (no
-warmup needed at this size): expect ~76% top-1 after 90 epochs. Speed only, without data:
+warmup needed at this size), for which they publish 76.4% top-1 after 90 epochs (their Table 1;
+a published figure: tfscale has not trained ResNet-50 on ImageNet). Speed only, without data:
 `--config.data.dataset=synthetic`, or `python -m tfscale.benchmark ... --config.benchmark.mode=synthetic`.
 
 GPU variants (docs/gpu.md): `--config=configs/r50_1gpu.py:xla` (float32 + XLA), `:amp` (float16 +

@@ -7,8 +7,9 @@ Reads ImageNet-1k TFRecord shards from `data.data_dir` (required; see r50_1gpu.p
 `tools/make_sbatch.py` stages them to node-local disk and points `data_dir` at the copy.
 128 images per GPU (global batch 4096), SGD momentum 0.9, weight decay 1e-4 on kernels, LR 0.1 per
 256 images (= 1.6), 5-epoch gradual warmup from 0.1, LR /10 at epochs 30, 60 and 80, 90 epochs,
-zero-initialised last BN gamma per block, 224x224. Expect ~76% top-1 (Goyal et al. report 76.26%
-for batch 8k), i.e. no loss against the 256-batch baseline. Runs as one worker per GPU under
+zero-initialised last BN gamma per block, 224x224. Goyal et al. report 76.26% top-1 for batch 8k,
+no loss against the 256-batch baseline (a published figure: tfscale has not trained ResNet-50 on
+ImageNet). Runs as one worker per GPU under
 MultiWorkerMirroredStrategy. On fewer replicas each would take more than 128 images, so it is
 refused with the override that scales it down: `--config.data.global_batch_size=512` on 4 GPUs (the
 LR follows: 0.2), the same recipe at a smaller batch.
