@@ -155,6 +155,22 @@ def test_keras_file_source_from_an_export(source, tmp_path):
     assert report.skipped == list(HEAD)
 
 
+def test_a_keras_file_that_would_run_code_is_refused(tmp_path):
+    """A .keras file can hold a Lambda layer: Python bytecode that runs when the model is loaded."""
+    marker = tmp_path / "marker"
+    inputs = keras.Input((4,))
+    touch_marker = eval(f"lambda x: (__import__('pathlib').Path({str(marker)!r}).touch(), x)[1]")  # path in its code
+    outputs = keras.layers.Lambda(touch_marker)(inputs)
+    crafted = str(tmp_path / "model.keras")
+    keras.Model(inputs, outputs).save(crafted)
+    marker.unlink()  # building the model above ran the lambda once
+    with pytest.raises(tfs_config.ConfigError, match=f"config.model.init_from='{crafted}': Keras cannot load it safely"):
+        init_from.source_weights(crafted, engine.build_model)
+    assert not marker.exists()
+    keras.models.load_model(crafted, safe_mode=False)  # the premise: loading it unguarded runs its code
+    assert marker.exists()
+
+
 def test_weights_h5_source(source, tmp_path):
     restored = init_from.restore_run(source[0], engine.build_model).model
     path = str(tmp_path / "source.weights.h5")

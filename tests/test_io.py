@@ -74,6 +74,14 @@ def test_an_unusable_manifest_is_one_error_type_naming_the_file(tmp_path, text, 
     assert isinstance(err.value, ValueError)  # callers' "bad input" handling catches it
 
 
+@pytest.mark.parametrize("name", ["../train-00000-of-00001", "/etc/passwd", "sub/train-00000-of-00001", "..", ""])
+def test_a_manifest_cannot_name_a_file_outside_its_directory(tmp_path, name):
+    path = tmp_path / "manifest-train.json"
+    path.write_text(json.dumps({"shards": [{"name": "train-00000-of-00002"}, {"name": name}], "classes": ["a"]}))
+    with pytest.raises(tfio.ManifestError, match=f"manifest {path} lists shard {name!r}: shard names must be plain"):
+        tfio.read_manifest(str(tmp_path), "train")
+
+
 def test_importing_io_imports_no_tensorflow():
     code = "import sys, tfscale.io; print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -342,6 +342,14 @@ def test_train_split_other_than_train_and_no_manifest(tmp_path):
     assert stage.read_shard_list(dest, "tr") == sorted(n for n in contents if n.startswith("tr-"))
 
 
+def test_a_staged_shard_list_cannot_name_a_file_outside_the_copy(tmp_path):
+    listed = tmp_path / stage.SHARD_LIST_FILE
+    listed.write_text(json.dumps({"splits": {"train": ["train-00000-of-00002", "../../home/x/train-00001-of-00002"]}}))
+    with pytest.raises(ValueError, match=f"{listed} lists train shard '../../home/x/train-00001-of-00002': shard "
+                                         "names must be plain file names"):
+        stage.read_shard_list(str(tmp_path), "train")
+
+
 def test_a_second_node_layout_adds_shards_and_keeps_the_lists(src8, tmp_path):
     """A requeued job on other node counts stages what its workers now read; staged files stay valid."""
     src_dir, _ = src8

@@ -138,7 +138,13 @@ def _h5_weights(path: str) -> dict[WeightKey, np.ndarray]:
 def source_weights(path: str, build_model: BuildModel) -> dict[WeightKey, np.ndarray]:
     """The weights of an `init_from` source (see the module docstring for the kinds)."""
     if path.endswith(_KERAS_SUFFIX) and os.path.isfile(path):
-        return model_weights(keras.models.load_model(path, compile=False))
+        try:
+            # A Lambda layer in a .keras file is Python bytecode, run when loaded, and the file may come from
+            # anyone: Keras' safe mode (its default, stated so it stays) refuses it.
+            return model_weights(keras.models.load_model(path, compile=False, safe_mode=True))
+        except (ValueError, TypeError) as err:  # refused (unsafe or unknown objects) or not a model
+            raise ConfigError(f"config.model.init_from={path!r}: Keras cannot load it safely: "
+                              f"{' '.join(str(err).split())[:400]}") from err
     if path.endswith(_WEIGHTS_SUFFIX) and os.path.isfile(path):
         return _h5_weights(path)
     if os.path.isdir(path):

@@ -200,7 +200,7 @@ def manifest_path(data_dir: str, split: str) -> str:
 
 
 def legacy_manifest_path(data_dir: str, split: str) -> str:
-    """Where older tfscale versions wrote it (split globs match it: read, never written)."""
+    """The manifest's other accepted name, `<split>-manifest.json` (a split glob matches it: read, never written)."""
     return os.path.join(data_dir, LEGACY_MANIFEST_FORMAT.format(split=split))
 
 
@@ -247,7 +247,21 @@ def read_manifest_file(path: str) -> dict | None:
     shards = manifest.get("shards") if isinstance(manifest, dict) else None
     if not isinstance(shards, list) or not all(isinstance(s, dict) and "name" in s for s in shards):
         raise ManifestError(f"manifest {path} has no valid 'shards' list")
+    # Shards are files next to their manifest: a name with a directory part (../x, /etc/x) reaches elsewhere.
+    outside = [s["name"] for s in shards if not is_plain_file_name(s["name"])]
+    if outside:
+        raise ManifestError(f"manifest {path} lists shard {outside[0]!r}: shard names must be plain file names "
+                            "in the manifest's directory")
+    classes = manifest.get("classes", [])
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise ManifestError(f"manifest {path} has no valid 'classes' list (class names, in label order)")
     return manifest
+
+
+def is_plain_file_name(name) -> bool:
+    """True for a file name without any directory part (not '', '.', '..', 'a/b', '/abs', 'a\\b')."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
+            and "\\" not in name and "\0" not in name)
 
 
 def read_manifest(data_dir: str, split: str) -> dict | None:

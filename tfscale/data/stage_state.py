@@ -65,12 +65,18 @@ def read_shard_list(data_dir: str, split: str) -> list[str] | None:
     """Names of every `split` shard of the source `data_dir` was staged from, in reading order; None when
     data_dir is not a staging destination of that split. The copy may hold only some of them (`Readers`).
     """
+    path = os.path.join(data_dir, SHARD_LIST_FILE)
     try:
-        with open(os.path.join(data_dir, SHARD_LIST_FILE)) as f:
+        with open(path) as f:
             names = json.load(f)["splits"][split]
     except (OSError, ValueError, KeyError, TypeError):  # absent (not staged here) or unreadable
         return None
-    return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return None
+    outside = [n for n in names if not tfio.is_plain_file_name(n)]
+    if outside:  # the input pipeline would read a file outside the copy
+        raise ValueError(f"{path} lists {split} shard {outside[0]!r}: shard names must be plain file names in {data_dir}")
+    return names
 
 
 def save_shard_lists(dest_dir: str, shard_lists: dict[str, list[str]]) -> None:
