@@ -76,6 +76,16 @@ WORKER = textwrap.dedent(
             wait_for([f"pid.{r}" for r in range(size)])
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
+    elif mode == "orphan":  # rank 0: any program; rank 1: a tfscale program stuck where SIGTERM cannot stop it
+        if rank == 1:
+            from tfscale import supervise
+
+            assert supervise.follow_launcher()
+            signal.signal(signal.SIGTERM, lambda *_: write("term.1", ""))
+            grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            write("pid.grandchild", str(grandchild.pid))
+        write(f"ready.{rank}", "")
+        time.sleep(60)
     elif mode in ("term", "ignore_term_rank1"):
         write(f"ready.{rank}", "")
         if mode == "ignore_term_rank1" and rank == 0:  # fail once rank 1 ignores SIGTERM
@@ -130,10 +140,8 @@ def wait_for_files(paths, timeout_s=15):
 
 def run_launcher(*args, **popen_kwargs):
     """`python -m tfscale.launch args...` as a separate process (needed to signal the launcher itself)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "tfscale.launch", *args], cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, **popen_kwargs,
-    )
+    popen_kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen_kwargs}
+    return subprocess.Popen([sys.executable, "-m", "tfscale.launch", *args], cwd=REPO, text=True, **popen_kwargs)
 
 
 # --- environment ----------------------------------------------------------------------------------
@@ -312,6 +320,37 @@ def test_sigint_to_launcher_is_forwarded(worker):
     assert "received SIGINT; forwarding it to 2 worker(s)" in err
     assert not any(os.path.exists(os.path.join(state, f"term.{r}")) for r in range(2))
     assert_all_gone(state, expected=2)
+
+
+def test_workers_end_when_the_launcher_is_killed(worker, tmp_path):
+    """kill -9 of the launcher (the OOM killer, a closed terminal): no worker outlives it for long, and
+    a worker's last lines reach the launcher's log file."""
+    script, state = worker
+    log_path = tmp_path / "launch.log"
+    with open(log_path, "w") as log:
+        proc = run_launcher("--num_workers=2", "--grace_period_s=1", "--", script, "orphan", state,
+                            stdout=log, stderr=log)
+    try:
+        wait_for_files([os.path.join(state, name) for name in ("ready.0", "ready.1", "pid.grandchild")])
+        proc.kill()
+        proc.wait()
+        killed_at = time.monotonic()
+        found = pids(state)
+        deadline = killed_at + 15
+        while any(alive(pid) for pid in found.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone_after_s = time.monotonic() - killed_at
+    finally:
+        for pid in pids(state).values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert_all_gone(state, expected=3)  # both workers and rank 1's subprocess
+    print(f"every worker gone {gone_after_s:.1f} s after the launcher was killed")
+    assert os.path.exists(os.path.join(state, "term.1"))  # SIGTERM first: a tfscale worker checkpoints on it
+    text = log_path.read_text()
+    assert f"[rank 1] tfscale: the launcher (pid {proc.pid}) is gone; stopping this worker with SIGTERM" in text
+    assert "[rank 1] tfscale: still running 1 s after its launcher died; sending SIGKILL to its process group" in text
+    assert "[rank 0] tfscale" not in text  # a program that does not follow the launcher just gets SIGTERM
 
 
 # --- command line ---------------------------------------------------------------------------------

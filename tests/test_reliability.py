@@ -321,6 +321,64 @@ def test_sigterm_at_a_save_and_twice_during_eval_gives_one_checkpoint_each_and_e
     assert steps_of(run) == [10, 20, 30, 40, 50, 60] and steps_of(run, "eval_top1") == [30, 60]
 
 
+# --- 12. the launcher killed ---------------------------------------------------------------------
+
+
+def children_of(pid):
+    """Pids of the live processes whose parent is `pid` (a zombie counts as gone)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == pid and state not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_launcher_killed_mid_training_takes_its_workers_with_a_checkpoint_and_the_rerun_resumes(tmp_path):
+    """kill -9 of tfscale-launch (the OOM killer, a closed terminal): every worker ends within the grace
+    period, checkpointing at one step, its last lines in the launcher's log file; the same command resumes."""
+    run = tmp_path / "run"
+    proc, log = start(tmp_path, run, 2)
+    try:
+        wait_for(lambda: latest_checkpoint_step(run) == 20, proc, "the checkpoint of step 20")
+        workers = children_of(proc.pid)
+        proc.kill()
+        proc.wait()
+        killed_at = time.time()
+        assert len(workers) == 2, workers
+        while any(alive(pid) for pid in workers) and time.time() < killed_at + 60:
+            time.sleep(0.05)
+        gone_after_s = time.time() - killed_at
+    finally:
+        for pid in children_of(proc.pid) + [p for p in workers if alive(p)]:
+            os.kill(pid, signal.SIGKILL)
+    assert not [pid for pid in workers if alive(pid)], f"workers alive {gone_after_s:.0f} s after the launcher died"
+    print(f"both workers gone {gone_after_s:.1f} s after kill -9 of the launcher")
+    _, output = finish(proc, log)
+    assert output.count(f"tfscale: the launcher (pid {proc.pid}) is gone; stopping this worker with SIGTERM") == 2
+    assert "SIGTERM: saving a checkpoint after this step" in output and "sending SIGKILL" not in output
+    stopped_at = saved_steps(output)[-1]
+    assert 20 < stopped_at < 60 and saved_steps(output).count(stopped_at) == 2, output[-3000:]
+    assert latest_checkpoint_step(run) == stopped_at and not os.path.exists(run / workdir.LOCK_NAME)
+
+    rerun = launch(tmp_path, run, 2)  # the same command
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert f"resumed from {run}/checkpoints/ckpt-{stopped_at} at step {stopped_at}" in rerun.stdout
+    assert steps_of(run) == [10, 20, 30, 40, 50, 60] and summary(run)["steps"] == 60
+
+
 # --- 11. requeued on fewer or more workers --------------------------------------------------------
 
 

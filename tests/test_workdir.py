@@ -55,6 +55,21 @@ def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
     assert not os.path.exists(tmp_path / workdir.LOCK_NAME)
 
 
+def test_lock_of_an_exited_process_nobody_reaped_is_taken_over(tmp_path):
+    """A worker whose launcher was killed is reparented; an init that never reaps leaves it a zombie."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits; not waited for until the end
+    try:
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.02)
+        os.kill(zombie.pid, 0)  # signal 0 still finds it
+        write_lock(tmp_path, pid=zombie.pid)
+        workdir.acquire(str(tmp_path), stale_after_s=120).release()
+    finally:
+        zombie.wait()
+
+
 def test_other_hosts_lock_is_taken_over_only_when_stale(tmp_path):
     write_lock(tmp_path, host="node-that-died", pid=1)
     with pytest.raises(workdir.WorkdirBusy, match="node-that-died"):

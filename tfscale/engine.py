@@ -31,7 +31,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import config as tfs_config
-from tfscale import distribute, local_sgd, models, optim
+from tfscale import distribute, local_sgd, models, optim, supervise
 from tfscale.data import pipeline, shard_dir
 
 
@@ -51,7 +51,9 @@ def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Clus
     Config mistakes fail before a cluster is waited for; the batch split is checked once the number
     of replicas is known; missing shards or a manifest mismatch fail before any model is built.
     `before_data(cluster)` runs between the last two (training claims its workdir there, before staging).
+    A worker of `tfscale.launch` ends (checkpointing, in bounded time) if its launcher dies.
     """
+    supervise.follow_launcher()
     tfs_config.validate(cfg)
     cluster = distribute.setup(cfg.distribute)
     tfs_config.validate(cfg, num_replicas=cluster.num_replicas)

@@ -118,7 +118,17 @@ def _pid_alive(pid) -> bool:
         return False
     except (PermissionError, TypeError, ValueError):
         return True  # someone else's process, or no pid to check: assume alive
-    return True
+    return not _is_zombie(int(pid))
+
+
+def _is_zombie(pid: int) -> bool:
+    """True for a process that has exited but was not reaped: a worker whose launcher died is reparented,
+    and an init that never reaps (some containers' pid 1) leaves it a zombie, which signal 0 still finds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux): signal 0 decided
 
 
 def _stale_reason(holder: dict, age_s: float, me: dict, stale_after_s: float) -> str | None:
