@@ -21,7 +21,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import config as tfs_config
-from tfscale import io, schedules
+from tfscale import io, optim, schedules
 
 
 class LearningRatePerStep(keras.callbacks.Callback):
@@ -110,6 +110,9 @@ class MetricsLogger(keras.callbacks.Callback):
             "images_per_sec": round(steps * self.global_batch_size / elapsed_s, 2),
             **(self.extra_fields() if self.extra_fields else {}),
         }
+        grad_norm = optim.grad_norm(self.model.optimizer)  # with optim.clip_global_norm: this step's, before clipping
+        if grad_norm is not None:
+            row["grad_norm"] = grad_norm
         if self.is_chief:
             logging.info(
                 "step %d/%d  epoch %.2f  loss %.4f  lr %.5g  images/sec %.1f  eta %s",

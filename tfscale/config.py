@@ -139,7 +139,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.momentum = 0.9  # heavy-ball momentum
     c.optim.nesterov = False  # Nesterov momentum
     c.optim.weight_decay = 1e-4  # L2 on conv/dense kernels only (BN and biases are not decayed)
-    c.optim.label_smoothing = 0.0  # 0.1 in the large-batch LARS recipes
+    c.optim.label_smoothing = 0.0  # cross-entropy targets (1 - s) * one_hot + s / num_classes; 0.1 in the large-batch LARS recipes
+    c.optim.clip_global_norm = 0.0  # clip the all-reduced (averaged) gradients to this global L2 norm before the update (0: off)
     c.optim.lars_eta = 0.001  # LARS trust coefficient
     c.optim.lars_epsilon = 0.0  # LARS denominator epsilon
     c.optim.grad_accum_steps = 1  # micro-batches per optimizer update (global batch stays data.global_batch_size)
@@ -410,6 +411,10 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
         raise ConfigError(f"config.data.eval_global_batch_size must be > 0 or -1, got {eval_batch}")
     if not 0.0 <= cfg.optim.ema_decay < 1.0:
         raise ConfigError(f"config.optim.ema_decay must be in [0, 1) (0: off), got {cfg.optim.ema_decay}")
+    if cfg.optim.clip_global_norm < 0.0:
+        raise ConfigError(f"config.optim.clip_global_norm must be >= 0 (0: off), got {cfg.optim.clip_global_norm}")
+    if not 0.0 <= cfg.optim.label_smoothing < 1.0:
+        raise ConfigError(f"config.optim.label_smoothing must be in [0, 1) (0: off), got {cfg.optim.label_smoothing}")
     if num_replicas is not None:
         _require_divisible("data.global_batch_size", cfg.data.global_batch_size, num_replicas)
         _check_micro_batch(cfg, num_replicas)

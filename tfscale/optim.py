@@ -194,21 +194,80 @@ def make_optimizer(optim_cfg, learning_rate: float) -> keras.optimizers.Optimize
     learning_rate = float(learning_rate)  # Keras rejects ints and numpy scalars
     ema = ema_kwargs(optim_cfg)
     if name == "sgd":
-        return keras.optimizers.SGD(
+        optimizer = keras.optimizers.SGD(
             learning_rate=learning_rate,
             momentum=float(optim_cfg.momentum),
             nesterov=bool(optim_cfg.nesterov),
             **ema,
         )
-    return LARS(
-        learning_rate=learning_rate,
-        momentum=float(optim_cfg.momentum),
-        weight_decay=float(optim_cfg.weight_decay),
-        eta=float(optim_cfg.lars_eta),
-        epsilon=float(optim_cfg.lars_epsilon),
-        nesterov=bool(optim_cfg.nesterov),
-        **ema,
-    )
+    else:
+        optimizer = LARS(
+            learning_rate=learning_rate,
+            momentum=float(optim_cfg.momentum),
+            weight_decay=float(optim_cfg.weight_decay),
+            eta=float(optim_cfg.lars_eta),
+            epsilon=float(optim_cfg.lars_epsilon),
+            nesterov=bool(optim_cfg.nesterov),
+            **ema,
+        )
+    clip_norm = float(optim_cfg.get("clip_global_norm", 0.0))
+    return clipping_global_norm(optimizer, clip_norm) if clip_norm else optimizer
+
+
+def clipping_global_norm(optimizer: keras.optimizers.Optimizer, clip_norm: float) -> keras.optimizers.Optimizer:
+    """The same optimizer, the gradients of every update clipped to global L2 norm `clip_norm`
+    (``tf.clip_by_global_norm``) AFTER they are summed over all replicas and workers.
+
+    Where the gradients are averaged: under tf.distribute (one_device, mirrored, mwms) Keras sums the
+    replicas' gradients inside ``apply_gradients``, in ``TFOptimizer._all_reduce_sum_gradients``, which
+    ``_backend_update_step`` calls right before the update (Keras 3.15.1,
+    keras/src/backend/tensorflow/optimizer.py lines 113-124 and 141). Under Horovod the gradients come in
+    already averaged over ranks (``Cluster.gradients_for_apply``) and that sum runs over one replica; in
+    local SGD's steps (applied outside ``strategy.run``) it sums nothing: each worker's own gradient, or its
+    household's mean, is clipped. Clipping after that sum is clipping the global batch's gradient on every
+    backend. Keras' own ``global_clipnorm`` is not used: it clips in ``_clip_gradients`` before
+    ``_backend_update_step`` (keras/src/optimizers/base_optimizer.py line 588), i.e. each replica's share.
+    Under a ``LossScaleOptimizer`` this optimizer is the inner one, which receives unscaled gradients, and a
+    step skipped for non-finite gradients never reaches it.
+
+    `grad_norm(optimizer)` reads the global norm of the last update's gradients before clipping.
+    """
+    base = type(optimizer)
+    if not callable(getattr(base, "_all_reduce_sum_gradients", None)):
+        raise RuntimeError(
+            f"optim.clip_global_norm={clip_norm} needs Keras' TensorFlow optimizer hook _all_reduce_sum_gradients "
+            f"(Keras 3.15), which Keras {keras.__version__} lacks: tfscale cannot clip the all-reduced gradients here")
+    # Not an attribute of the optimizer, so checkpoints do not track it. ON_READ + ONLY_FIRST_REPLICA: each
+    # replica writes its own copy (no merge_call in the step; all copies are equal), a read takes the first.
+    norm_before_clip = tf.Variable(0.0, trainable=False, name="grad_norm", dtype=tf.float32,
+                                   synchronization=tf.VariableSynchronization.ON_READ,
+                                   aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    class GlobalNormClipping(base):
+        def _all_reduce_sum_gradients(self, grads_and_vars):
+            grads, variables = zip(*super()._all_reduce_sum_gradients(grads_and_vars))
+            clipped, norm = tf.clip_by_global_norm(list(grads), clip_norm)
+            norm_before_clip.assign(tf.cast(norm, tf.float32))
+            return list(zip(clipped, variables))
+
+        def grad_norm_variable(self) -> tf.Variable:
+            return norm_before_clip
+
+    GlobalNormClipping.__name__ = GlobalNormClipping.__qualname__ = f"GlobalNormClipping{base.__name__}"
+    clipping = GlobalNormClipping.from_config(optimizer.get_config())
+    clipping.clip_global_norm = clip_norm
+    return clipping
+
+
+def grad_norm(optimizer: keras.optimizers.Optimizer) -> float | None:
+    """The global norm of the last update's gradients before clipping (None without optim.clip_global_norm).
+
+    `optimizer` may be the LossScaleOptimizer around the clipping one; the norm is of unscaled gradients.
+    """
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    read = getattr(optimizer, "grad_norm_variable", None)
+    return None if read is None else float(read().numpy())
 
 
 def ema_kwargs(optim_cfg) -> dict:
