@@ -24,9 +24,10 @@ the averaged trainable variables, BatchNorm moving statistics as they are), the 
                  the artefacts.
 
 Class names come from the conversion manifest of the training shards (`data.data_dir`); synthetic
-data or shards without a manifest export without them (export.json says why). The exported graph is
-float32 whatever precision the run trained in, and channels_last with plain BatchNormalization (same
-weights), so it serves on CPUs. The output directory is replaced only when it holds an earlier export
+data or shards without a manifest export without them (export.json says why). A run whose eval split's
+manifest orders the classes otherwise is refused: its eval metrics scored the wrong labels. The
+exported graph is float32 whatever precision the run trained in, and channels_last with plain
+BatchNormalization (same weights), so it serves on CPUs. The output directory is replaced only when it holds an earlier export
 (or nothing), and only once the new export is complete: that is built in a temporary directory next
 to it and renamed into place. A single-process tool: run it once, not under tfscale.launch.
 """
@@ -53,7 +54,7 @@ from absl import flags, logging
 
 import tfscale
 from tfscale import cli, ema, engine, init_from, io, models
-from tfscale.data import preprocess
+from tfscale.data import preprocess, shard_dir
 
 SIGNATURE = "serving_default"
 KERAS_FILE = "model.keras"
@@ -344,6 +345,9 @@ def export(workdir: str, output_dir: str | None = None, checkpoint: str | None =
     workdir = os.path.abspath(workdir)
     output_dir = os.path.abspath(output_dir or os.path.join(workdir, "export"))
     _check_replaceable(output_dir, workdir)
+    data_cfg = init_from.read_run_config(workdir).data
+    if data_cfg.dataset == "tfrecord":  # labels.txt would name the train split's classes: eval must agree
+        shard_dir.check_same_classes(data_cfg)
     run = restore_for_inference(workdir, checkpoint)
     names = class_names(run.cfg.data)
     if names.names is None:

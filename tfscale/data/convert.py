@@ -3,10 +3,12 @@ r"""Image folders -> TFRecord shards in the standard ImageNet layout, plus a JSO
     python tools/tfrecord_convert.py --input_dir=/data/ILSVRC/train --output_dir=/data/tfrecords \
         --split=train --num_shards=1024 [--class_order_file=synsets.txt] [--class_text_file=words.txt]
     python tools/tfrecord_convert.py --input_dir=/data/ILSVRC/val --output_dir=/data/tfrecords \
-        --split=validation --num_shards=128 --labels_file=val_synsets.txt --class_order_file=synsets.txt
+        --split=validation --num_shards=128 --labels_file=LOC_val_solution.csv --class_order_from=/data/tfrecords
 
 Input is a class-folder tree `DIR/<class>/*.jpg|jpeg|png` (any case), or a flat folder of images plus
-a labels file with one class name per image in sorted file-name order (ImageNet's validation layout).
+a labels file (ImageNet's validation layout): one class name per image in sorted file-name order,
+Kaggle's LOC_val_solution.csv, or the devkit's ground truth with --devkit_meta (data/val_labels.py).
+--class_order_from takes the label order from the train split already converted, so the splits agree.
 
 Output is what `build_imagenet_data.py` writes, so every TF ImageNet reader takes it: shards
 `{split}-00000-of-01024` of tf.train.Examples with the features in encode.FEATURE_KEYS, labels 1-based
@@ -98,7 +100,8 @@ def _check_shard_count(num_shards: int, num_images: int, input_dir: str, after: 
 
 def convert(input_dir: str, output_dir: str, split: str, num_shards: int, *, labels_file: str | None = None,
             class_order_file: str | None = None, class_text_file: str | None = None, resize_shorter: int = 0,
-            strict: bool = False, num_workers: int | None = None, seed: int = 0) -> dict:
+            strict: bool = False, num_workers: int | None = None, seed: int = 0, devkit_meta: str | None = None,
+            class_order_from: str | None = None) -> dict:
     """Converts an image folder into `num_shards` TFRecord shards plus a manifest; returns the manifest.
 
     Args:
@@ -107,10 +110,16 @@ def convert(input_dir: str, output_dir: str, split: str, num_shards: int, *, lab
         created if needed. Other files in it are never touched.
       split: "train" or "validation" (the shard-name prefix).
       num_shards: number of shards; at most the number of images.
-      labels_file: one class name per line, one line per image of a flat `input_dir`, sorted by name.
+      labels_file: the class of each image of a flat `input_dir`: one class name per line, one line per
+        image sorted by name; or LOC_val_solution.csv; or the devkit's ground truth with `devkit_meta`
+        (tfscale.data.val_labels).
       class_order_file: class names, one per line, in label order (label = line index + 1). Default:
         sorted class folder names (tree) or sorted distinct names of `labels_file`.
-      class_text_file: `synset<TAB>text` lines; classes without one get their name as text.
+      class_text_file: `synset<TAB>text` lines; classes without one get their name as text (or, with
+        `class_order_from`, the train split's text).
+      devkit_meta: the ILSVRC2012 devkit's data/meta.mat, mapping the ground truth's IDs to synsets.
+      class_order_from: a shard directory holding the converted train split: its classes, in its label
+        order, are this split's (so validation labels match the model's outputs). Not with class_order_file.
       resize_shorter: shrink images whose shorter side exceeds this many pixels to it; 0: never.
       strict: unreadable images fail the run (before anything is written) instead of being skipped.
       num_workers: worker processes (default: the CPUs available); 1 runs everything in-process.
@@ -123,7 +132,8 @@ def convert(input_dir: str, output_dir: str, split: str, num_shards: int, *, lab
     input_dir, output_dir = os.path.abspath(input_dir), os.path.abspath(output_dir)
     classes, class_texts, items = sources.gather_items(input_dir, labels_file=labels_file,
                                                        class_order_file=class_order_file,
-                                                       class_text_file=class_text_file)
+                                                       class_text_file=class_text_file, devkit_meta=devkit_meta,
+                                                       class_order_from=class_order_from)
     _check_shard_count(num_shards, len(items), input_dir)
     num_workers = min(num_workers or parallel.default_num_workers(), len(items))
     logging.info("converting %d images of %d classes in %s into %d %s shards in %s with %d workers",
@@ -155,9 +165,9 @@ def convert(input_dir: str, output_dir: str, split: str, num_shards: int, *, lab
 # --------------------------------------------------------------------------------------------- CLI
 
 
-_FLAG_NAMES = ("format", "input_dir", "output_dir", "split", "num_shards", "labels_file", "class_order_file",
-               "class_text_file", "resize_shorter", "strict", "num_workers", "seed", "validation_examples",
-               "train_examples")
+_FLAG_NAMES = ("format", "input_dir", "output_dir", "split", "num_shards", "labels_file", "devkit_meta",
+               "class_order_file", "class_order_from", "class_text_file", "resize_shorter", "strict", "num_workers",
+               "seed", "validation_examples", "train_examples")
 
 
 def _define_flags() -> None:
@@ -178,9 +188,14 @@ def _define_flags() -> None:
     flags.DEFINE_integer("train_examples", 0, "idx/cifar: keep a subset of this many training images (after the "
                          "validation holdout), stratified by class with --seed; 0: all.")
     flags.DEFINE_string("labels_file", None, "For a flat folder: one class name per image, in sorted "
-                        "file-name order.")
+                        "file-name order; or Kaggle's LOC_val_solution.csv; or the devkit's "
+                        "ILSVRC2012_validation_ground_truth.txt with --devkit_meta.")
+    flags.DEFINE_string("devkit_meta", None, "The ILSVRC2012 devkit's data/meta.mat: maps the ILSVRC2012_IDs of "
+                        "a ground-truth --labels_file to synsets.")
     flags.DEFINE_string("class_order_file", None, "Class names in label order, one per line "
                         "(label = line index + 1). Default: sorted class names.")
+    flags.DEFINE_string("class_order_from", None, "A shard directory holding the converted train split: use its "
+                        "classes in its label order (and its class texts), so this split's labels match train's.")
     flags.DEFINE_string("class_text_file", None, "synset<TAB>human text lines (synset_words.txt); default "
                         "text: the class name.")
     flags.DEFINE_integer("resize_shorter", 0, "Shrink images whose shorter side exceeds this (px); 0: never.")
@@ -203,7 +218,8 @@ def _convert_from_flags(f: flags.FlagValues) -> None:
         raise app.UsageError(f"{' and '.join(missing)} must be given to convert an image folder")
     convert(f.input_dir, f.output_dir, f.split, f.num_shards, labels_file=f.labels_file,
             class_order_file=f.class_order_file, class_text_file=f.class_text_file,
-            resize_shorter=f.resize_shorter, strict=f.strict, num_workers=f.num_workers, seed=f.seed)
+            resize_shorter=f.resize_shorter, strict=f.strict, num_workers=f.num_workers, seed=f.seed,
+            devkit_meta=f.devkit_meta, class_order_from=f.class_order_from)
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -85,6 +85,29 @@ def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, s
                 f"shard {path} has {size} bytes but {where} says {shard['bytes']}: truncated or corrupt; re-convert it")
 
 
+def check_same_classes(data_cfg: ml_collections.ConfigDict) -> None:
+    """ConfigError naming the first class index where the train and eval splits' manifests disagree.
+
+    Output i of the model is the class the TRAIN split stores as label i + label_offset. An eval split
+    converted with another class order (its own --class_order_file, a labels file whose sorted names
+    differ) would score every prediction against the wrong class, and eval top-1 would be silently
+    wrong. Splits without a manifest (other tools' shards) cannot be compared and are not.
+    """
+    train, evaluation = data_cfg.train_split, data_cfg.eval_split
+    paths = [tfio.find_manifest(data_cfg.data_dir, split) for split in (train, evaluation)]
+    if train == evaluation or None in paths:
+        return
+    train_classes, eval_classes = (tfio.read_manifest_file(path).get("classes", []) for path in paths)
+    if train_classes == eval_classes or not train_classes or not eval_classes:
+        return
+    index = next(i for i, (a, b) in enumerate(zip(train_classes + [None], eval_classes + [None])) if a != b)
+    train_name, eval_name = (repr(c[index]) if index < len(c) else "no class" for c in (train_classes, eval_classes))
+    raise ConfigError(
+        f"config.data.eval_split={evaluation!r} does not have the classes of config.data.train_split={train!r}: "
+        f"class index {index} is {eval_name} in {paths[1]} but {train_name} in {paths[0]}, so eval would score "
+        f"predictions against the wrong classes. Convert {evaluation} again with --class_order_from={data_cfg.data_dir}")
+
+
 def holds_only_jpeg(data_dir: str, split: str) -> bool:
     """True when the split's manifest says every record is a JPEG (shards written by tfscale-convert).
 
@@ -108,6 +131,7 @@ def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples:
     if data_cfg.dataset != "tfrecord":
         return data_cfg.data_dir
     data_dir = data_cfg.data_dir
+    check_same_classes(data_cfg)  # before staging: a wrong eval split is not worth copying
     if data_cfg.stage_dir:
         readers = None
         # Evaluating on the train split reads every file of it on every worker: then stage it whole.

@@ -1,10 +1,11 @@
 """Reading conversion inputs: a class-folder tree, or a flat folder plus a labels file -> `Item`s.
 
     DIR/<class>/*.jpg|jpeg|png        (any case; ImageNet's train layout)
-    DIR/*.jpg + --labels_file         (one class name per image in sorted file-name order; ImageNet val)
+    DIR/*.jpg + --labels_file         (ImageNet val: a class per image; the forms ImageNet's labels come in
+                                       are read by tfscale.data.val_labels)
 
-Labels follow the ImageNet convention: 1 + the class's index in label order (sorted class names, or
-the order of --class_order_file); 0 is unused. Nothing here opens an image: checking and encoding
+Labels follow the ImageNet convention: 1 + the class's index in label order (sorted class names, the
+order of --class_order_file, or the train split's with --class_order_from); 0 is unused. Nothing here opens an image: checking and encoding
 them is tfscale.data.encode's job.
 """
 
@@ -14,6 +15,8 @@ import os
 from typing import Iterable, NamedTuple
 
 from absl import logging
+
+from tfscale.data import val_labels
 
 LABEL_OFFSET = 1  # ImageNet convention: label = index in class order + 1; 0 is unused ("background")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
@@ -111,34 +114,67 @@ def list_flat_folder(input_dir: str) -> list[str]:
     return images
 
 
-def _check_known_classes(names: Iterable[str], classes: list[str], where: str, class_order_file: str) -> None:
-    unknown = sorted(set(names) - set(classes))
+def _check_known_classes(names: Iterable[str], classes: list[str], where: str, order_source: str,
+                         origins: list[str] | None = None) -> None:
+    """Every class name must be one of `classes` (the label order); origins[i]: where names[i] was read."""
+    names, known = list(names), set(classes)
+    unknown = [i for i, name in enumerate(names) if name not in known]
     if unknown:
-        raise ValueError(f"{len(unknown)} classes of {where} are not in --class_order_file {class_order_file}: "
-                         f"{', '.join(unknown[:MAX_NAMED_FILES])}")
+        first = f"{origins[unknown[0]]}: " if origins else ""
+        distinct = sorted({names[i] for i in unknown})
+        raise ValueError(f"{first}{len(distinct)} classes of {where} are not in {order_source}: "
+                         f"{', '.join(distinct[:MAX_NAMED_FILES])}")
+
+
+def read_class_order_from(shard_dir: str) -> tuple[list[str], list[str]]:
+    """(classes, texts) of the train split converted into `shard_dir`, in its label order."""
+    from tfscale import io as tfio  # TF-free
+
+    path = tfio.find_manifest(shard_dir, "train")
+    if path is None:
+        raise FileNotFoundError(f"--class_order_from {shard_dir} holds no {tfio.MANIFEST_FORMAT.format(split='train')}: "
+                                "convert the train split there first")
+    manifest = tfio.read_manifest_file(path)
+    classes = manifest.get("classes")
+    if not classes:
+        raise ValueError(f"--class_order_from: {path} names no classes")
+    return classes, manifest.get("class_texts") or classes
 
 
 def gather_items(input_dir: str, *, labels_file: str | None, class_order_file: str | None,
-                 class_text_file: str | None) -> tuple[list[str], list[str], list[Item]]:
-    """(classes in label order, their texts, every input image in sorted path order)."""
+                 class_text_file: str | None, devkit_meta: str | None = None,
+                 class_order_from: str | None = None) -> tuple[list[str], list[str], list[Item]]:
+    """(classes in label order, their texts, every input image in sorted path order).
+
+    The label order: `class_order_from`'s train manifest, else `class_order_file`, else sorted names.
+    Texts: `class_text_file`, else the train manifest's, else the class names.
+    """
+    if class_order_file and class_order_from:
+        raise ValueError("give --class_order_file or --class_order_from, not both: they both set the label order")
+    if devkit_meta and not labels_file:
+        raise ValueError("--devkit_meta maps the ILSVRC2012_IDs of a --labels_file (the devkit's ground truth): "
+                         "give that too")
+    origins = None
     if labels_file:
         paths = list_flat_folder(input_dir)
-        synsets = read_lines(labels_file, "--labels_file")
-        if len(synsets) != len(paths):
-            raise ValueError(f"--labels_file {labels_file} has {len(synsets)} labels but input_dir {input_dir} "
-                             f"has {len(paths)} images: need one label per image, in sorted file-name order")
+        synsets, origins = val_labels.read(labels_file, paths, devkit_meta)
         found = sorted(set(synsets))
     else:
         tree = list_class_tree(input_dir)
         paths = [p for images in tree.values() for p in images]
         synsets = [name for name, images in tree.items() for _ in images]
         found = list(tree)
-    if class_order_file:
+    classes, manifest_texts = found, {}
+    if class_order_from:
+        classes, ordered_texts = read_class_order_from(class_order_from)
+        manifest_texts = dict(zip(classes, ordered_texts))
+        order_source = f"the train classes of --class_order_from {class_order_from}"
+    elif class_order_file:
         classes = read_class_order(class_order_file)
-        _check_known_classes(found, classes, labels_file or input_dir, class_order_file)
-    else:
-        classes = found
-    texts = read_class_texts(class_text_file) if class_text_file else {}
+        order_source = f"--class_order_file {class_order_file}"
+    if class_order_from or class_order_file:
+        _check_known_classes(synsets if origins else found, classes, labels_file or input_dir, order_source, origins)
+    texts = read_class_texts(class_text_file) if class_text_file else manifest_texts
     class_texts = [texts.get(name, name) for name in classes]
     label_of = {name: index + LABEL_OFFSET for index, name in enumerate(classes)}
     text_of = dict(zip(classes, class_texts))
