@@ -360,6 +360,56 @@ def test_a_second_node_layout_adds_shards_and_keeps_the_lists(src8, tmp_path):
     assert stage.read_shard_list(dest, "train") == [f"train-{i:05d}-of-00008" for i in range(8)]
 
 
+def test_the_workers_of_a_node_each_stage_their_share_into_the_nodes_dir(src8, tmp_path):
+    """What training does with data.stage_dir: every worker stages what it reads; a node's workers take
+    turns under the dir's lock, and the eval shards are copied once."""
+    src_dir, contents = src8
+    for node in range(2):
+        dest = str(tmp_path / f"node{node}")
+        reports = [stage.stage(src_dir, dest, readers=stage.Readers((rank,), 4)) for rank in node_ranks(node, 2)]
+        assert set(shard_files(dest)) == assigned_train_shards(8, node_ranks(node, 2), 4, "disjoint") | {
+            "validation-00000-of-00002", "validation-00001-of-00002"}
+        assert [(r.files_copied, r.files_skipped) for r in reports] == [(2 + 2, 0), (2, 2)]  # eval once
+        assert stage.read_shard_list(dest, "train") == sorted(n for n in contents if n.startswith("train"))
+
+
+@pytest.mark.slow
+def test_two_workers_on_two_nodes_stage_and_read_only_their_own_train_shards(digit_shards, tmp_path):
+    """tfscale.train with data.stage_dir, 2 MWMS workers, each on its own "node": the same relative
+    stage_dir from another working directory is another disk, as $TMPDIR is on every node of a cluster."""
+    from conftest import quiet_env
+
+    from tfscale import launch
+
+    shards, counts = digit_shards
+    ports = launch.free_ports(2)
+    procs = []
+    for rank in range(2):
+        node = tmp_path / f"node{rank}"
+        node.mkdir()
+        env = quiet_env(**launch.worker_env(rank, 2, ports, "mwms", 1))
+        command = [sys.executable, "-m", "tfscale.train", f"--config={REPO}/configs/digits.py",
+                   f"--workdir={tmp_path / 'run'}", f"--config.data.data_dir={shards}", "--config.data.stage_dir=local",
+                   f"--config.data.num_train_examples={counts['train']}",
+                   f"--config.data.num_eval_examples={counts['validation']}", "--config.model.name=cifar_resnet8",
+                   "--config.train.epochs=0.5", "--config.train.eval_every_epochs=0.5",
+                   "--config.schedule.warmup_epochs=0.1", "--config.distribute.backend=mwms",
+                   "--config.distribute.heartbeat_timeout_s=10"]
+        procs.append(subprocess.Popen(command, cwd=node, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank}:\n{outputs[rank][-3000:]}"
+    eval_shards = {"validation-00000-of-00001"}
+    for rank in range(2):
+        # Worker r of 2 reads train shard r of 2 (disjoint): the other node's shard is not there, so the
+        # run succeeding shows that each worker read only the shards its node staged.
+        assert set(shard_files(str(tmp_path / f"node{rank}" / "local"))) == {f"train-{rank:05d}-of-00002"} | eval_shards
+    assert "staging 1 of 2 train shards: those workers 0 of 2 read (assignment disjoint)" in outputs[0]
+    with open(tmp_path / "run" / "summary.json") as f:
+        assert json.load(f)["eval_top1"] > 0
+
+
 @pytest.mark.parametrize("spec, ranks", [("0-3", (0, 1, 2, 3)), ("0,1,2,3", (0, 1, 2, 3)), ("5", (5,)),
                                          ("8-9, 0-1", (0, 1, 8, 9)), ("2,2", (2,))])
 def test_parse_ranks(spec, ranks):

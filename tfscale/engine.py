@@ -60,8 +60,11 @@ def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Clus
     _check_xla_sync_bn_devices(cfg, cluster.strategy.extended.worker_devices)
     if before_data is not None:
         before_data(cluster)
+    # Each worker stages the train shards it reads: the workers of a node share data.stage_dir and take
+    # turns under its lock, so the node's copy ends up with its workers' shards and the eval split.
     data_dir = shard_dir.prepare_data_dir(
-        cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples
+        cfg.data, num_train_examples=cfg.data.num_train_examples, num_eval_examples=cfg.data.num_eval_examples,
+        worker_ranks=(cluster.rank,), num_workers=cluster.size,
     )
     return Run(cfg=cfg, cluster=cluster, steps=tfs_config.to_steps(cfg, num_workers=cluster.size), data_dir=data_dir)
 

@@ -123,8 +123,9 @@ def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples:
     """The directory to read shards from: staged to `data.stage_dir` first when set; checked.
 
     Staging copies every eval shard and, with `worker_ranks` (of `num_workers`), only the train shards
-    those workers read under data.assignment; without them every shard (how train.py and benchmark.py
-    call it: a worker learns its rank only after staging has begun).
+    those workers read under data.assignment; without them every shard. Training and benchmarking
+    (engine.setup) pass each worker's own rank: the workers of a node share the stage dir and take
+    turns under its lock, so the node's copy holds what its workers read.
     A staged copy may lack other workers' train shards: each worker checks its own when it builds
     its dataset. Anywhere else every shard must be there.
     """
