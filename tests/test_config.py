@@ -137,9 +137,28 @@ def test_r50_32gpu_is_the_goyal_recipe():
     assert cfg.optim.lr == pytest.approx(1.6)
     assert (cfg.optim.momentum, cfg.optim.weight_decay) == (0.9, 1e-4)
     assert (cfg.schedule.warmup, cfg.schedule.warmup_epochs) == ("gradual", 5.0)
-    assert tuple(cfg.schedule.decay_epochs) == (30, 60, 80) and cfg.schedule.decay_factor == 0.1
-    assert cfg.train.epochs == 90.0
+    assert tfs_config.decay_boundaries(cfg.schedule, cfg.train.epochs) == (30, 60, 80)
+    assert cfg.schedule.decay_factor == 0.1 and cfg.train.epochs == 90.0
     assert tfs_config.to_steps(cfg).steps_per_epoch == 1_281_167 // 4096
+
+
+def test_shortened_recipe_keeps_the_shape_of_its_step_decay():
+    """r50_1gpu cut to 2 epochs decays at the same shares of the run (30, 60, 80 of 90), recorded in the config;
+    boundaries given in epochs stay as given, and ones beyond the run say which override to add."""
+    cut = load_config("r50_1gpu", "--config.data.dataset=synthetic", "--config.train.epochs=2")
+    tfs_config.validate(cut)
+    assert tuple(cut.schedule.decay_epochs) == (0.6667, 1.3333, 1.7778)
+    given = load_config("r50_1gpu", "--config.data.dataset=synthetic", "--config.train.epochs=2",
+                        "--config.schedule.decay_epochs=(1,)")
+    tfs_config.validate(given)
+    assert tuple(given.schedule.decay_epochs) == (1,)
+    beyond = load_config("fmnist_resnet", "--config.data.dataset=synthetic", "--config.train.epochs=2")
+    with pytest.raises(tfs_config.ConfigError, match=r"decay_epochs=\(4, 8, 11\) has boundary 11 beyond "
+                       r"config.train.epochs=2.0.*--config.schedule.decay_fractions="):
+        tfs_config.validate(beyond)
+    wrong = load_config("r50_1gpu", "--config.data.dataset=synthetic", "--config.schedule.decay_fractions=(0.5, 30.0)")
+    with pytest.raises(tfs_config.ConfigError, match=r"decay_fractions=\(0.5, 30.0\) must lie in \(0, 1\]"):
+        tfs_config.validate(wrong)
 
 
 def test_batch_override_rescales_linked_lr():

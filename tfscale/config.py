@@ -52,6 +52,10 @@ CONVERT_HINT = (
 AUTO_LABEL_OFFSET = {"tfrecord": 1, "tfds": 0, "synthetic": 0, "synthetic_learnable": 0}
 _SYNTHETIC = ("synthetic", "synthetic_learnable")
 
+# ImageNet-1k's class and example counts: base_config's defaults for data.num_classes, num_train_examples and
+# num_eval_examples, the values a recipe leaves for the data to replace (tfscale.data.info.adopt).
+IMAGENET_1K_COUNTS = {"num_classes": 1000, "num_train_examples": 1_281_167, "num_eval_examples": 50_000}
+
 # Names the code dispatches on. They live here (not imported from the modules that implement them,
 # which import TensorFlow) so validating a config does not import TensorFlow; tests/test_config.py
 # checks that the copies equal the implementing modules' names.
@@ -123,9 +127,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.copies = 2  # C, workers reading each example (coarse, medium_coarse, fine_grained, overlap; 1 = disjoint, M = full)
     c.data.assignment_level = "auto"  # what the scheme assigns: auto (files, or examples when fewer files than workers) | file | example
     c.data.image_size = 224  # square training/eval resolution in pixels
-    c.data.num_classes = 1000  # classes the model predicts 
-    c.data.num_train_examples = 1_281_167  # examples per training epoch (ImageNet-1k train)
-    c.data.num_eval_examples = 50_000  # examples in one full evaluation (ImageNet-1k validation)
+    # The three counts default to ImageNet-1k's (IMAGENET_1K_COUNTS). Where the data say otherwise (a
+    # tfscale-convert manifest, TFDS's dataset info), a default is replaced by the data's count and logged;
+    # any other value, or one given on the command line, must match the data (docs/configuration.md).
+    c.data.num_classes = IMAGENET_1K_COUNTS["num_classes"]  # classes the model predicts
+    c.data.num_train_examples = IMAGENET_1K_COUNTS["num_train_examples"]  # examples per training epoch
+    c.data.num_eval_examples = IMAGENET_1K_COUNTS["num_eval_examples"]  # examples in one full evaluation
     c.data.global_batch_size = 256  # images per step summed over all replicas
     c.data.max_per_replica_batch_size = 0  # recipes: the per-replica batch they were written for; larger is refused (0: no limit)
     # Not a linked field: assigning to a linked field would overwrite the train batch it points at.
@@ -152,7 +159,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.schedule.warmup_init_lr = 0.0  # gradual warmup starts here
     c.schedule.warmup_granularity = "auto"  # when the warmup LR changes: step | epoch | auto (gradual per step, stepping per epoch)
     c.schedule.decay = "step"  # constant | step | cosine | polynomial | exponential
-    c.schedule.decay_epochs = (30, 60, 80)  # step decay boundaries, absolute epochs
+    c.schedule.decay_epochs = (30, 60, 80)  # step decay boundaries, absolute epochs; () with decay_fractions: from those
+    c.schedule.decay_fractions = ()  # step decay boundaries as fractions of train.epochs, used when decay_epochs is ()
     c.schedule.decay_factor = 0.1  # step: LR multiplier per boundary; exponential: per period
     c.schedule.exp_decay_every_epochs = 2.4  # exponential: period in epochs
     c.schedule.poly_power = 2.0  # polynomial: exponent (MLPerf LARS recipe uses 2)
@@ -420,6 +428,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
         _check_micro_batch(cfg, num_replicas)
         _require_divisible("data.eval_global_batch_size", eval_batch, num_replicas)
         _check_per_replica_batch(cfg.data, num_replicas, cfg.optim.grad_accum_steps)
+    _fill_decay_epochs(cfg.schedule, cfg.train.epochs)
     try:
         schedules.check(cfg.schedule, total_epochs=cfg.train.epochs)
     except ValueError as err:
@@ -434,6 +443,30 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
             "loss; large-batch recipes use LARS (see configs/r50_lars_32k.py)",
             cfg.data.global_batch_size, LARGE_BATCH_WITHOUT_LARS, cfg.optim.name,
         )
+
+
+def decay_boundaries(schedule_cfg: ml_collections.ConfigDict, train_epochs: float) -> tuple[float, ...]:
+    """The step decay's boundaries in absolute epochs: `schedule.decay_epochs`, or when that is () the
+    `schedule.decay_fractions` of `train_epochs` (rounded to 1e-4 epochs: steps are coarser)."""
+    if tuple(schedule_cfg.decay_epochs) or not tuple(schedule_cfg.decay_fractions):
+        return tuple(schedule_cfg.decay_epochs)
+    fractions = tuple(schedule_cfg.decay_fractions)
+    if not all(0.0 < f <= 1.0 for f in fractions):
+        raise ConfigError(f"config.schedule.decay_fractions={fractions} must lie in (0, 1]: fractions of config.train.epochs")
+    return tuple(round(f * train_epochs, 4) for f in fractions)
+
+
+def _fill_decay_epochs(schedule_cfg: ml_collections.ConfigDict, train_epochs: float) -> None:
+    """Writes the boundaries `decay_fractions` give into `decay_epochs` (once: config.json records them), logged.
+
+    A recipe written as fractions keeps its shape when `--config.train.epochs` shortens or lengthens it.
+    """
+    boundaries = decay_boundaries(schedule_cfg, train_epochs)
+    if boundaries == tuple(schedule_cfg.decay_epochs):
+        return
+    schedule_cfg.decay_epochs = boundaries
+    logging.info("config.schedule.decay_epochs=%s: config.schedule.decay_fractions %s of config.train.epochs=%g",
+                 boundaries, tuple(round(f, 4) for f in schedule_cfg.decay_fractions), train_epochs)
 
 
 def _check_allreduce_sizes(bench_cfg: ml_collections.ConfigDict) -> None:
@@ -622,6 +655,16 @@ def load_config_file(path: str, overrides=()) -> ml_collections.ConfigDict:
     return flag_values.config
 
 
+# The keys this process's command line set (`--config.x.y=v`), recorded by run_cli: a count given there is
+# the user's statement about the data, which the data's own count never replaces (tfscale.data.info.adopt).
+_command_line_keys: frozenset[str] = frozenset()
+
+
+def command_line_keys() -> frozenset[str]:
+    """Dotted keys (`data.num_classes`) set by `--config.*` flags of this process's CLI; empty outside run_cli."""
+    return _command_line_keys
+
+
 def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_help: str) -> None:
     """Runs a `--config=FILE[:ARG] --workdir=DIR [--config.x.y=v ...]` command: `main(config, workdir)`.
 
@@ -639,7 +682,9 @@ def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_he
     flags.mark_flags_as_required(["config", "workdir"])
 
     def app_main(argv):
+        global _command_line_keys
         logs.configure()  # absl's handler is in place now: make it the only one, TensorFlow's INFO off
+        _command_line_keys = frozenset(config_flags.get_override_values(flags.FLAGS["config"]))
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
         try:

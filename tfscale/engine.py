@@ -32,6 +32,7 @@ from absl import logging
 
 from tfscale import config as tfs_config
 from tfscale import distribute, local_sgd, models, optim, supervise
+from tfscale.data import info as data_info
 from tfscale.data import pipeline, shard_dir
 
 
@@ -54,9 +55,13 @@ def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Clus
     A worker of `tfscale.launch` ends (checkpointing, in bounded time) if its launcher dies.
     """
     supervise.follow_launcher()
+    found = data_info.facts(cfg.data)  # counts still at ImageNet-1k's defaults become the data's own
+    data_info.adopt(cfg.data, found, chosen=tfs_config.command_line_keys())
     tfs_config.validate(cfg)
+    data_info.check_tfds_counts(cfg.data, found)
     cluster = distribute.setup(cfg.distribute)
     tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
+    data_info.check_tfds_files(cfg.data, num_workers=cluster.size)
     _check_xla_sync_bn_devices(cfg, cluster.strategy.extended.worker_devices)
     if before_data is not None:
         before_data(cluster)

@@ -23,7 +23,8 @@ the averaged trainable variables, BatchNorm moving statistics as they are), the 
                  those weights (summary.json), class names, preprocessing, versions, and the paths of
                  the artefacts.
 
-Class names come from the conversion manifest of the training shards (`data.data_dir`); synthetic
+Class names come from the conversion manifest of the training shards (`data.data_dir`), or from the
+TFDS dataset's info (its label feature's names) for `data.dataset=tfds`; synthetic
 data or shards without a manifest export without them (export.json says why). A run whose eval split's
 manifest orders the classes otherwise is refused: its eval metrics scored the wrong labels. The
 exported graph is float32 whatever precision the run trained in, and channels_last with plain
@@ -54,6 +55,8 @@ from absl import flags, logging
 
 import tfscale
 from tfscale import cli, ema, engine, init_from, io, models
+from tfscale.config import ConfigError
+from tfscale.data import info
 from tfscale.data import preprocess, shard_dir
 
 SIGNATURE = "serving_default"
@@ -186,6 +189,17 @@ def class_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
     if missing:
         return ClassNames(None, None, f"none: the {where} has no class for stored label {missing[0]}")
     return ClassNames([by_label[label][0] for label in wanted], [by_label[label][1] for label in wanted], where)
+
+
+def tfds_class_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
+    """Output names of a run on a TFDS dataset: its label feature's names (TFDS labels are 0-based, as the outputs)."""
+    try:
+        names, source = info.tfds_class_names(data_cfg)
+    except (io.MissingDataError, ConfigError) as err:
+        return ClassNames(None, None, f"none: {err}")
+    if len(names) != data_cfg.num_classes:
+        return ClassNames(None, None, f"none: {source} names {len(names)} classes, the model has {data_cfg.num_classes}")
+    return ClassNames(names, names, f"TFDS dataset info {source}")
 
 
 # --- the SavedModel ---------------------------------------------------------------------------------
@@ -349,7 +363,7 @@ def export(workdir: str, output_dir: str | None = None, checkpoint: str | None =
     if data_cfg.dataset == "tfrecord":  # labels.txt would name the train split's classes: eval must agree
         shard_dir.check_same_classes(data_cfg)
     run = restore_for_inference(workdir, checkpoint)
-    names = class_names(run.cfg.data)
+    names = tfds_class_names(run.cfg.data) if run.cfg.data.dataset == "tfds" else class_names(run.cfg.data)
     if names.names is None:
         logging.warning("exporting without class names: %s", names.source)
     info = export_info(run, workdir, output_dir, names)

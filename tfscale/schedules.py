@@ -338,7 +338,9 @@ def _check_decay(schedule_cfg, total_epochs: float) -> None:
         if boundaries and boundaries[-1] > total_epochs:
             raise ValueError(
                 f"config.schedule.decay_epochs={boundaries} has boundary {boundaries[-1]} beyond "
-                f"config.train.epochs={total_epochs}: that decay would never happen"
+                f"config.train.epochs={total_epochs}: that decay would never happen. Give boundaries within the "
+                "run (--config.schedule.decay_epochs='(...)'), or fractions of the epochs that follow "
+                "train.epochs (--config.schedule.decay_epochs='()' --config.schedule.decay_fractions='(...)')"
             )
     if schedule_cfg.decay == "exponential" and not schedule_cfg.exp_decay_every_epochs > 0:
         raise ValueError(

@@ -27,8 +27,7 @@ import ml_collections
 import tensorflow as tf
 
 from tfscale import devices
-from tfscale import io as tfio
-from tfscale.data import assignment, batch_augment, faults, preprocess, shard_dir, synthetic
+from tfscale.data import assignment, batch_augment, faults, info, preprocess, shard_dir, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 _READ_BUFFER_BYTES = 8 << 20  # per open shard; large sequential reads suit parallel file systems
@@ -141,12 +140,8 @@ def _tfds_records(data_cfg, split: str, input_context, *, seed: int, shuffle_fil
             f"config.data.assignment={data_cfg.assignment!r} is for TFRecord shards; TFDS input is always "
             "split disjointly over workers (by TFDS's own file sharding)"
         )
-    builder = tfds.builder(data_cfg.tfds_name, data_dir=data_cfg.data_dir)
-    if not builder.is_prepared():
-        raise tfio.MissingDataError(
-            f"TFDS dataset {data_cfg.tfds_name!r} is not prepared in {data_cfg.data_dir}; tfscale never "
-            "downloads: prepare it where the data is (tfds build / download_and_prepare) and copy data_dir"
-        )
+    builder = info.tfds_builder(data_cfg)
+    # Training input is split between workers by file; engine.setup refused fewer files than workers.
     read_config = tfds.ReadConfig(input_context=input_context, shuffle_seed=seed,
                                   interleave_cycle_length=data_cfg.interleave_cycle)
     ds = builder.as_dataset(split=split, shuffle_files=shuffle_files, read_config=read_config,
