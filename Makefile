@@ -12,7 +12,8 @@ CONSTRAINTS := requirements/constraints-$(if $(filter gpu,$(TF_EXTRA)),gpu,cpu).
 HOROVOD_GPU_OPERATIONS ?= $(if $(filter gpu,$(TF_EXTRA)),NCCL,)
 STAMP := $(VENV)/.installed-$(or $(TF_EXTRA),own-tf)
 comma := ,
-EXTRAS := $(if $(TF_EXTRA),$(TF_EXTRA)$(comma))test
+# examples: scikit-learn, whose digit scans `make demo` trains on; test: pytest (and examples again).
+EXTRAS := $(if $(TF_EXTRA),$(TF_EXTRA)$(comma))examples$(comma)test
 
 HOROVOD_STAMP := $(VENV)/.installed-horovod
 DALI_STAMP := $(VENV)/.installed-dali

@@ -45,6 +45,19 @@ def test_pip_install_into_a_fresh_venv_then_train_from_elsewhere(tmp_path):
     assert "N/A   horovod        Horovod is not installed (optional: `make horovod`" in doctor  # optional, named so
     assert doctor.strip().splitlines()[-1] == "summary: 0 pass, 0 fail, 2 n/a (gpus, horovod)"
 
+    # The example-data tools need scikit-learn, which only the `examples` extra installs: one line naming it.
+    requires = _run([str(venv / "bin" / "python"), "-c", "import importlib.metadata as m; "
+                     "print('\\n'.join(m.requires('tfscale')))"], cwd=elsewhere).stdout.splitlines()
+    assert 'scikit-learn<2,>=1.4; extra == "examples"' in requires
+    for tool, args in (("digits_demo.py", ["--workdir=demo"]), ("make_photo_tree.py", ["photos"])):
+        result = subprocess.run([str(venv / "bin" / "python"), os.path.join(REPO, "tools", tool), *args], cwd=elsewhere,
+                                capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+        assert result.returncode == 1
+        assert result.stderr.strip() == (
+            f'error: tools/{tool} needs scikit-learn (it ships the '
+            f'{"digit scans" if tool == "digits_demo.py" else "two photographs"}): pip install ".[examples]" in the '
+            "tfscale checkout (or pip install scikit-learn)"), result.stderr[-2000:]  # the whole output
+
 
 def test_a_gpu_build_into_a_cpu_venv_is_refused_before_anything_is_installed(tmp_path):
     # tensorflow-cpu and tensorflow[and-cuda] share one package directory, and Horovod and the DALI plugin are

@@ -11,6 +11,7 @@ No TensorFlow here: tools that must start fast (staging) use it too.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Callable, Iterable
 
@@ -18,6 +19,16 @@ from absl import app, flags, logging
 
 # Bad input (a missing directory, a wrong count): the message says it all, a traceback adds nothing.
 INPUT_ERRORS = (ValueError, OSError)
+
+
+def import_extra(module: str, *, tool: str, package: str, extra: str, why: str):
+    """`module` imported; when `package` is not installed (`pip install ".[cpu]"` leaves extras out),
+    exits 1 with one line naming the pip command of tfscale's extra `extra` that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        sys.exit(f'error: {tool} needs {package} ({why}): pip install ".[{extra}]" in the tfscale checkout '
+                 f"(or pip install {package})")
 
 
 def make_key_flags(names: Iterable[str]) -> None:

@@ -7,6 +7,9 @@ both splits with tfscale's conversion tool and trains configs/digits.py on the s
 local workers (MultiWorkerMirroredStrategy over 127.0.0.1, started by tfscale.launch).
 
     python tools/digits_demo.py --workdir=runs/demo [--config.x.y=v ...]
+
+Needs scikit-learn, tfscale's `examples` extra: `make demo` installs it; after `pip install ".[cpu]"`,
+run `pip install ".[examples]"` in the checkout.
 """
 
 import json
@@ -17,9 +20,8 @@ import sys
 import numpy as np
 from absl import app, flags, logging
 from PIL import Image
-from sklearn.datasets import load_digits
 
-from tfscale.data import convert
+from tfscale import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where images, shards and the training run go.")
 _NUM_WORKERS = flags.DEFINE_integer("num_workers", 2, "Local worker processes (1: single process).")
@@ -29,7 +31,9 @@ _IMAGE_SIZE_PX = 32
 
 def write_image_tree(root: str, seed: int = 0) -> dict:
     """Writes train/ and validation/ class trees of PNGs; returns {split: number of images}."""
-    digits = load_digits()
+    datasets = cli.import_extra("sklearn.datasets", tool="tools/digits_demo.py", package="scikit-learn",
+                                extra="examples", why="it ships the digit scans")
+    digits = datasets.load_digits()
     rng = np.random.default_rng(seed)
     counts = {"train": 0, "validation": 0}
     for label in range(10):
@@ -49,7 +53,9 @@ def write_image_tree(root: str, seed: int = 0) -> dict:
 def main(argv):
     workdir = os.path.abspath(_WORKDIR.value)
     images_dir, shards_dir = os.path.join(workdir, "images"), os.path.join(workdir, "shards")
-    counts = write_image_tree(images_dir)
+    counts = write_image_tree(images_dir)  # first: without scikit-learn, its one error line is all the output
+    from tfscale.data import convert  # imports TensorFlow
+
     for split, num_shards in (("train", 4), ("validation", 2)):
         convert.convert(os.path.join(images_dir, split), shards_dir, split, num_shards)
     logging.info("converted %s images into %s", counts, shards_dir)
