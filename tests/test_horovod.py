@@ -25,8 +25,11 @@ pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 # 10 steps of global batch 32 (16 per rank). BatchNorm is per rank (Horovod has no Keras 3 sync BN),
 # so the reference is MWMS with per-replica BN too.
+# Gradients clipped below their global norm (0.5-1.3 here), after the ranks' average as after MWMS's all-reduce.
+CLIP_GLOBAL_NORM = 0.4
 SHORT = ["--config=configs/smoke.py", "--config.train.epochs=0.5", "--config.schedule.warmup_epochs=0.25",
-         "--config.model.zero_init_residual=False", "--config.train.log_every_steps=5"]
+         "--config.model.zero_init_residual=False", "--config.train.log_every_steps=5",
+         f"--config.optim.clip_global_norm={CLIP_GLOBAL_NORM}"]
 
 
 def launch_command(num_workers, backend, *train_args):
@@ -77,6 +80,7 @@ def assert_ranks_agree_and_match_mwms(root, mwms_two_workers):
     for ours, ref in zip(rows, mwms_rows):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4)
         assert ours["lr"] == pytest.approx(ref["lr"], rel=1e-6)
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3) and ours["grad_norm"] > CLIP_GLOBAL_NORM
     # Eval counts every example once across ranks, with the same (averaged) BatchNorm statistics.
     eval_rows = [r for r in map(json.loads, open(root / "run" / "metrics.jsonl")) if "eval_top1" in r]
     assert eval_rows[-1]["eval_examples"] == 500

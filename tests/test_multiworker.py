@@ -19,9 +19,12 @@ from tfscale import distribute, launch
 
 DRIVER = os.path.join(REPO, "tests", "helpers", "train_and_dump.py")
 # 10 steps of global batch 32 (16 per worker); sync BN makes 2 x 16 compute what 1 x 32 computes.
+# Gradients are clipped below their global norm (0.5-1.3 in these steps): clipping each worker's half
+# before the all-reduce instead of the sum would not give what one worker with the whole batch computes.
+CLIP_GLOBAL_NORM = 0.4
 SHORT = ["--config=configs/smoke.py", "--config.train.epochs=0.5", "--config.schedule.warmup_epochs=0.25",
          "--config.model.sync_bn=True", "--config.model.zero_init_residual=False",
-         "--config.train.log_every_steps=5"]
+         "--config.train.log_every_steps=5", f"--config.optim.clip_global_norm={CLIP_GLOBAL_NORM}"]
 
 
 def start_workers(args, num_workers, log_dir, backend="mwms", endpoint=None, **env_extra):
@@ -123,6 +126,8 @@ def test_two_workers_agree_and_equal_one_worker_with_the_global_batch(tmp_path, 
     assert [r["step"] for r in rows] == [r["step"] for r in reference_rows] == [5, 10]
     for ours, ref in zip(rows, reference_rows):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-3)
+        # The norm of the averaged gradient, clipped at these steps on both runs.
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3) and ours["grad_norm"] > CLIP_GLOBAL_NORM
     summary = json.load(open(os.path.join(workdir, "summary.json")))
     assert summary["num_workers"] == 2 and summary["num_replicas"] == 2
     # Only the chief wrote: one topology line per worker, progress lines only in rank 0's log.
