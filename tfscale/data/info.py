@@ -91,7 +91,7 @@ def tfds_builder(data_cfg: ml_collections.ConfigDict):
     if not builder.is_prepared():
         raise tfio.MissingDataError(
             f"TFDS dataset {data_cfg.tfds_name!r} is not prepared in config.data.data_dir={data_cfg.data_dir!r}; "
-            "tfscale never downloads: prepare it where the data is (docs/data.md 'TFDS') and point data_dir at it")
+            "tfscale never downloads: prepare it where the data are (docs/data.md 'ImageNet through TFDS') and point data_dir at it")
     return builder
 
 
