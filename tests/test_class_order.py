@@ -21,7 +21,7 @@ import tensorflow as tf
 from conftest import REPO, load_config, quiet_env
 
 from tfscale import engine, export
-from tfscale.config import ConfigError
+from tfscale import io as tfio
 from tfscale.data import convert, shard_dir
 
 SYNSETS = ("n00000000", "n00000001", "n00000002")  # make_photo_tree.py's class folder names
@@ -176,10 +176,10 @@ def test_a_run_and_an_export_whose_splits_disagree_on_class_order_are_refused(im
             shutil.copy(os.path.join(imagenet_like["shards"], name), shards / name)
     val_tree = make_photo_tree(tmp_path / "val_tree", 2, seed=5)
     convert.convert(val_tree, str(shards), "validation", 1, num_workers=1)
-    expected = (f"config.data.eval_split='validation' does not have the classes of config.data.train_split='train': "
-                f"class index 0 is 'n00000000' in {shards / 'manifest-validation.json'} but 'n00000002' in "
-                f"{shards / 'manifest-train.json'}, so eval would score predictions against the wrong classes. "
-                f"Convert validation again with --class_order_from={shards}")
+    expected = (f"the validation split does not have the classes of the train split: class index 0 is 'n00000000' "
+                f"in {shards / 'manifest-validation.json'} but 'n00000002' in {shards / 'manifest-train.json'}, so eval "
+                f"would score predictions against the wrong classes. Convert validation again with "
+                f"--class_order_from={shards}")
     overrides = [f"--config.data.data_dir={shards}", "--config.data.num_classes=3", "--config.data.num_train_examples=12",
                  "--config.data.num_eval_examples=6", "--config.model.name=cifar_resnet8",
                  "--config.data.global_batch_size=4"]
@@ -187,8 +187,8 @@ def test_a_run_and_an_export_whose_splits_disagree_on_class_order_are_refused(im
     workdir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "tfscale.train", "--config=configs/digits.py", f"--workdir={workdir}",
                              *overrides], cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == f"FATAL config error: {expected}"
+    assert result.returncode == 65  # a data fault (EX_DATAERR), on one line
+    assert result.stderr.strip().splitlines()[-1] == f"FATAL data error: {expected} (exit code 65)"
     assert "Traceback" not in result.stderr
     assert not os.path.exists(workdir / "checkpoints") and not os.path.exists(workdir / "metrics.jsonl")
 
@@ -198,7 +198,7 @@ def test_a_run_and_an_export_whose_splits_disagree_on_class_order_are_refused(im
     tf.train.Checkpoint(model=engine.build_model(cfg), global_step=tf.Variable(1, dtype=tf.int64)).save(
         str(exported / "checkpoints" / "ckpt"))
     (exported / "config.json").write_text(json.dumps(cfg.to_dict()))
-    with pytest.raises(ConfigError) as refused:
+    with pytest.raises(tfio.ManifestError) as refused:
         export.export(str(exported))
     assert str(refused.value) == expected and not os.path.exists(exported / "export")
 

@@ -86,7 +86,7 @@ def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, s
 
 
 def check_same_classes(data_cfg: ml_collections.ConfigDict) -> None:
-    """ConfigError naming the first class index where the train and eval splits' manifests disagree.
+    """ManifestError (a data fault) naming the first class index where the train and eval manifests disagree.
 
     Output i of the model is the class the TRAIN split stores as label i + label_offset. An eval split
     converted with another class order (its own --class_order_file, a labels file whose sorted names
@@ -102,10 +102,10 @@ def check_same_classes(data_cfg: ml_collections.ConfigDict) -> None:
         return
     index = next(i for i, (a, b) in enumerate(zip(train_classes + [None], eval_classes + [None])) if a != b)
     train_name, eval_name = (repr(c[index]) if index < len(c) else "no class" for c in (train_classes, eval_classes))
-    raise ConfigError(
-        f"config.data.eval_split={evaluation!r} does not have the classes of config.data.train_split={train!r}: "
-        f"class index {index} is {eval_name} in {paths[1]} but {train_name} in {paths[0]}, so eval would score "
-        f"predictions against the wrong classes. Convert {evaluation} again with --class_order_from={data_cfg.data_dir}")
+    raise tfio.ManifestError(
+        f"the {evaluation} split does not have the classes of the {train} split: class index {index} is {eval_name} "
+        f"in {paths[1]} but {train_name} in {paths[0]}, so eval would score predictions against the wrong classes. "
+        f"Convert {evaluation} again with --class_order_from={data_cfg.data_dir}")
 
 
 def holds_only_jpeg(data_dir: str, split: str) -> bool:
