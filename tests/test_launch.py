@@ -78,9 +78,9 @@ WORKER = textwrap.dedent(
         time.sleep(60)
     elif mode == "orphan":  # rank 0: any program; rank 1: a tfscale program stuck where SIGTERM cannot stop it
         if rank == 1:
-            from tfscale import supervise
+            from tfscale import launcher_death
 
-            assert supervise.follow_launcher()
+            assert launcher_death.follow_launcher()
             signal.signal(signal.SIGTERM, lambda *_: write("term.1", ""))
             grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
             write("pid.grandchild", str(grandchild.pid))

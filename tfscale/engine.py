@@ -31,7 +31,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import config as tfs_config
-from tfscale import distribute, local_sgd, models, optim, supervise
+from tfscale import distribute, launcher_death, local_sgd, models, optim
 from tfscale.data import info as data_info
 from tfscale.data import pipeline, shard_dir
 
@@ -54,7 +54,7 @@ def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Clus
     `before_data(cluster)` runs between the last two (training claims its workdir there, before staging).
     A worker of `tfscale.launch` ends (checkpointing, in bounded time) if its launcher dies.
     """
-    supervise.follow_launcher()
+    launcher_death.follow_launcher()
     found = data_info.facts(cfg.data)  # counts still at ImageNet-1k's defaults become the data's own
     data_info.adopt(cfg.data, found, chosen=tfs_config.command_line_keys())
     tfs_config.validate(cfg)

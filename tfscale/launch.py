@@ -15,8 +15,8 @@ sends SIGTERM before killing a job, and the workers checkpoint on it), stops the
 one worker fails, and exits with the first failing worker's code. Workers run in their own sessions
 so that the launcher can signal and kill each worker's whole process group, grandchildren included:
 no process it started outlives it, also when the launcher itself is killed (the workers then get
-SIGTERM, and tfscale's checkpoint and end within --grace_period_s). That supervision lives in
-`tfscale.supervise`; this module builds the workers' environment and the command line.
+SIGTERM, and tfscale's checkpoint and end within --grace_period_s: `tfscale.launcher_death`). That
+supervision lives in `tfscale.supervise`; this module builds the workers' environment and the command line.
 """
 
 from __future__ import annotations

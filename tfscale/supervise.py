@@ -8,37 +8,23 @@ supervisor can signal and kill each worker's whole process group, grandchildren 
 it started outlives it. Like the launcher, it never imports TensorFlow.
 
 A launcher that dies without that clean-up (`kill -9`, the out-of-memory killer, a closed terminal)
-takes its workers with it: each worker is started with the parent-death signal SIGTERM (Linux
-prctl), so a worker that is still starting ends at once. A tfscale program calls `follow_launcher()`
-at start-up: it turns the parent-death signal off and watches the launcher from a thread instead,
-so that what happens next is in order: the worker's output goes to the launcher's log file (or
-nowhere, if the launcher wrote to a terminal or pipe that died with it) with a line saying why,
-then the worker gets SIGTERM (tfscale's preemption path: every worker checkpoints at the same step
-and exits 75), and whatever it was doing (a collective waiting for a peer that is gone, say) its
-whole process group is killed `grace_period_s` later, as the launcher would have done.
+takes its workers with it: `tfscale.launcher_death`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import stat
 import subprocess
 import sys
 import threading
 import time
 from typing import IO, Sequence
 
+from tfscale import launcher_death
+
 POLL_INTERVAL_S = 0.05  # how often the supervisor checks its workers; sets the reaction latency
 PUMP_JOIN_TIMEOUT_S = 5.0  # how long to wait for the last output lines once every worker is gone
-LAUNCHER_POLL_INTERVAL_S = 0.2  # how often a worker checks that its launcher is alive (one getppid each)
-
-# What the launcher tells each worker about itself, for `follow_launcher`.
-LAUNCHER_PID_VAR = "TFSCALE_LAUNCHER_PID"
-GRACE_PERIOD_VAR = "TFSCALE_GRACE_PERIOD_S"  # seconds from SIGTERM to SIGKILL, the launcher's --grace_period_s
-LOG_FD_VAR = "TFSCALE_LAUNCHER_LOG_FD"  # an inherited fd of the launcher's log file (only a regular file)
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # One lock for every line the launcher writes, so a line never interleaves with another, even when
 # stdout and stderr are the same terminal or file.
@@ -131,7 +117,7 @@ def _spawn(rank: int, argv: Sequence[str], env: dict[str, str], log_fd: int | No
         # Own session = own process group: the launcher can kill a worker with its grandchildren,
         # and a terminal Ctrl-C reaches the workers once, through the launcher, not twice.
         start_new_session=True,
-        preexec_fn=_end_with_launcher(),
+        preexec_fn=launcher_death.end_with_launcher(),
         pass_fds=() if log_fd is None else (log_fd,),
     )
 
@@ -177,10 +163,8 @@ def run_workers(
     """
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    log_fd = _launcher_log_fd()
-    about_launcher = {LAUNCHER_PID_VAR: str(os.getpid()), GRACE_PERIOD_VAR: f"{grace_period_s:g}"}
-    if log_fd is not None:
-        about_launcher[LOG_FD_VAR] = str(log_fd)
+    log_fd = launcher_death.launcher_log_fd()
+    about_launcher = launcher_death.worker_env(grace_period_s, log_fd)
     try:
         for rank, env in enumerate(envs):
             procs.append(_spawn(rank, argv, {**env, **about_launcher}, log_fd))
@@ -277,131 +261,3 @@ def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
     for proc in procs:
         proc.wait()
 
-
-# ----------------------------------------------------------------------------------------------
-# A launcher that dies: the launcher's half (`_end_with_launcher`, `_launcher_log_fd`) and the
-# worker's (`follow_launcher`)
-
-
-def _prctl():
-    """libc's prctl (Linux), or None where there is none: then only `follow_launcher`'s thread acts."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
-def _end_with_launcher():
-    """The function a worker runs between fork and exec: SIGTERM to it when the launcher dies; None
-    without prctl.
-
-    Everything it calls is looked up here, before the fork: the launcher has threads (output pumps),
-    and a child may take no lock another thread held at the fork. The kernel sends the signal when the
-    thread that forked ends, which in `tfscale-launch` is the main thread, i.e. the launcher itself.
-    """
-    prctl, launcher_pid = _prctl(), os.getpid()
-    if prctl is None:
-        return None
-    getppid, exit_now, sigterm = os.getppid, os._exit, int(signal.SIGTERM)
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigterm, 0, 0, 0)
-        if getppid() != launcher_pid:  # the launcher died before the signal was set: nobody would send it
-            exit_now(128 + sigterm)
-
-    return preexec
-
-
-def _launcher_log_fd() -> int | None:
-    """A duplicate of the launcher's stderr for its workers to inherit, when it is a regular file (a batch
-    job's log, `> log 2>&1`): there a worker whose launcher died still writes its last lines. None for
-    a terminal or a pipe: those may close with the launcher, and writes to them would then fail."""
-    try:
-        return os.dup(2) if stat.S_ISREG(os.fstat(2).st_mode) else None
-    except OSError:
-        return None
-
-
-_following: list[int] = []  # the launcher pid `follow_launcher` watches, once it does
-
-
-def follow_launcher() -> bool:
-    """In a worker of `tfscale.launch`: end this worker in order when its launcher dies (module doc).
-
-    Call once, early, from the main thread (the parent-death signal is the calling thread's); later
-    calls do nothing. Returns True when this process is a launcher's worker and is now watched.
-    """
-    if _following:
-        return True
-    try:
-        launcher_pid = int(os.environ[LAUNCHER_PID_VAR])
-        grace_period_s = float(os.environ.get(GRACE_PERIOD_VAR, "10"))
-    except (KeyError, ValueError):
-        return False
-    if os.getppid() != launcher_pid and _pid_exists(launcher_pid):
-        return False  # a grandchild that inherited the variables: the launcher is not this process's parent
-    log_fd = _inherited_log_fd(os.environ.get(LOG_FD_VAR))
-    for name in (LAUNCHER_PID_VAR, GRACE_PERIOD_VAR, LOG_FD_VAR):
-        os.environ.pop(name, None)  # this process's own subprocesses have another parent
-    prctl = _prctl()
-    if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)  # from here on the thread acts: output first, then the signal
-    _following.append(launcher_pid)
-    threading.Thread(target=_watch_launcher, args=(launcher_pid, grace_period_s, log_fd), name="launcher-watch",
-                     daemon=True).start()
-    return True
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _inherited_log_fd(value: str | None) -> int | None:
-    try:
-        fd = int(value)
-        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    except (TypeError, ValueError, OSError):
-        return None
-
-
-def _watch_launcher(launcher_pid: int, grace_period_s: float, log_fd: int | None) -> None:
-    """Waits for the launcher to die (this process then has another parent), then stops this worker:
-    output to the launcher's log (or nowhere), SIGTERM, and SIGKILL to its process group after
-    `grace_period_s`, whatever it was doing."""
-    while os.getppid() == launcher_pid:
-        time.sleep(LAUNCHER_POLL_INTERVAL_S)
-    # Output first: the pipes to the launcher are broken, and the SIGTERM handler's lines must land.
-    _redirect_output(log_fd)
-    rank = os.environ.get("TFSCALE_LOCAL_RANK", "?")
-    _say_orphaned(f"[rank {rank}] tfscale: the launcher (pid {launcher_pid}) is gone; stopping this worker with "
-                  f"SIGTERM (tfscale programs checkpoint and exit 75), SIGKILL in {grace_period_s:g} s if it "
-                  "still runs. Rerun the same launch command to resume")
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(grace_period_s)
-    _say_orphaned(f"[rank {rank}] tfscale: still running {grace_period_s:g} s after its launcher died; "
-                  "sending SIGKILL to its process group")
-    # Own session (the launcher's start_new_session): the group is this worker and its subprocesses.
-    os.killpg(os.getpgrp(), signal.SIGKILL) if os.getpgrp() == os.getpid() else os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _redirect_output(log_fd: int | None) -> None:
-    """Points this process's stdout and stderr at `log_fd`, else at /dev/null."""
-    target = log_fd if log_fd is not None else os.open(os.devnull, os.O_WRONLY)
-    for fd in (1, 2):
-        os.dup2(target, fd)
-
-
-def _say_orphaned(message: str) -> None:
-    try:
-        os.write(2, (message + "\n").encode())
-    except OSError:
-        pass
