@@ -201,3 +201,13 @@ def test_a_workdir_that_cannot_be_written_is_named(tmp_path):
     (tmp_path / "file").write_text("")  # a file where the workdir should be
     with pytest.raises(io.WriteError, match=f"could not write {tmp_path}/file/lock.json: "):
         workdir.claim(str(tmp_path / "file"), smoke_dict(), resume_cfg())
+
+
+def test_a_key_newer_than_the_checkpointed_run_resumes_at_its_default_and_is_refused_otherwise(tmp_path):
+    old = smoke_dict()
+    del old["optim"]["clip_global_norm"]  # config.json of a run from before the key existed
+    resumable(tmp_path, old)
+    workdir.claim(str(tmp_path), smoke_dict(), resume_cfg()).release()  # at its default (0: off) it changes nothing
+    assert not os.path.exists(tmp_path / workdir.HISTORY_NAME)
+    with pytest.raises(ConfigError, match=r"config\.optim\.clip_global_norm: 0\.0 -> 1\.0"):
+        workdir.claim(str(tmp_path), smoke_dict(**{"optim.clip_global_norm": 1.0}), resume_cfg())

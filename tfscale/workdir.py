@@ -36,7 +36,7 @@ import time
 from absl import logging
 
 from tfscale import io
-from tfscale.config import ConfigError
+from tfscale.config import ConfigError, base_config
 
 LOCK_NAME = "lock.json"
 CONFIG_NAME = "config.json"
@@ -59,6 +59,7 @@ SAFE_TO_CHANGE = (
     "distribute.log_all_ranks", "distribute.*_timeout_s", "distribute.collective_impl",
     "distribute.device_prefetch_batches", "distribute.pack_bytes", "distribute.port_base",
     "distribute.horovod_fusion_bytes", "distribute.horovod_cycle_time_ms",
+    "schedule.decay_fractions",  # resolved into schedule.decay_epochs, which is compared
 )
 
 
@@ -201,11 +202,21 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def config_changes(previous: dict, current: dict) -> dict[str, tuple]:
-    """{dotted key: (previous value, current value)} of every key that differs (JSON-normalised)."""
+    """{dotted key: (previous value, current value)} of every key that differs (JSON-normalised).
+
+    A key only one side has is no change when its value there is base_config()'s default: a key that
+    another tfscale version added or dropped, at the value that does what that version did without it
+    (a run checkpointed before `optim.clip_global_norm` existed resumes with it at 0, off).
+    """
     before, after = _flatten(json.loads(json.dumps(previous))), _flatten(json.loads(json.dumps(current)))
+    defaults = _flatten(json.loads(json.dumps(base_config().to_dict())))
     missing = object()
-    return {key: (before.get(key), after.get(key)) for key in sorted(before.keys() | after.keys())
-            if before.get(key, missing) != after.get(key, missing)}
+    changes = {}
+    for key in sorted(before.keys() | after.keys()):
+        old, new = before.get(key, defaults.get(key, missing)), after.get(key, defaults.get(key, missing))
+        if old != new:
+            changes[key] = (None if old is missing else old, None if new is missing else new)
+    return changes
 
 
 def is_safe_change(key: str) -> bool:
