@@ -258,7 +258,8 @@ def test_missing_dali_stops_the_run_naming_make_dali(photo_shards, tmp_path):
     env = {**quiet_env(), "PYTHONPATH": f"{hide}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     result = subprocess.run(
         [sys.executable, "-m", "tfscale.train", "--config=configs/r50_1gpu.py", f"--workdir={tmp_path / 'run'}",
-         f"--config.data.data_dir={photo_shards['four']}", "--config.data.loader=dali"],
+         f"--config.data.data_dir={photo_shards['four']}", "--config.data.loader=dali",
+         "--config.data.global_batch_size=4"],  # the recipe's 256 exceeds the shards' 45 examples: refused first
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "config.data.loader='dali' but nvidia.dali is not installed" in result.stderr
