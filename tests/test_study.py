@@ -120,6 +120,11 @@ def test_study_file_errors_name_file_and_key(tmp_path):
     bad.write_text("def get_study():\n    return {'config': 'configs/smoke.py'}\n")
     with pytest.raises(ValueError, match="lacks cells, seeds, baseline"):
         tfs_study.load_study(str(bad))
+    # A cell's keys name the HParams dashboard's columns: an override must say which key it sets.
+    bad.write_text("def get_study():\n    return {'config': 'configs/smoke.py', 'cells': {'a': ['--config.seed=1'], "
+                   "'b': ['--lr=0.1']}, 'seeds': [0], 'baseline': 'a'}\n")
+    with pytest.raises(ValueError, match=r"bad.py: cell b: override '--lr=0.1' is not --config.KEY=VALUE"):
+        tfs_study.load_study(str(bad))
 
 
 def test_runs_are_numbered_cells_by_seeds_and_printed_for_array_tasks(tmp_path):
@@ -151,6 +156,148 @@ def test_a_shared_point_starts_every_line_it_names():
                                                                    ("linear_b256", 0.85))}
     assert tfs_study.plot_series(study, table) == {"naive": [(32, 0.9, 0.01), (256, 0.8, 0.01)],
                                                    "linear": [(32, 0.9, 0.01), (256, 0.85, 0.01)]}
+
+
+# --- TensorBoard's HParams dashboard, from finished runs written here (no training) -------------------------------
+
+HPARAMS_STUDY = '''
+def get_study():
+    return {"config": "configs/smoke.py", "overrides": ["--config.train.epochs=1"],
+            "cells": {"base": ["--config.data.global_batch_size=64", "--config.optim.lr_per_256=0.1",
+                               "--config.schedule.warmup=none"],
+                      "big": ["--config.data.global_batch_size=256", "--config.optim.lr_per_256=1",
+                              "--config.schedule.warmup=gradual", "--config.model.sync_bn=True"]},
+            "seeds": [0, 1, 2], "baseline": "base"}
+'''
+# What each finished run trained with, as its config.json records it. big seed 0: a Slurm job's own
+# --config.data.global_batch_size=512 won over the cell's 256. big seed 1 has no config.json: its values
+# are the overrides' text, typed (256 an int, 1 an int made float beside 0.1, True a bool).
+HPARAMS = {
+    ("base", 0): {"data.global_batch_size": 64, "optim.lr_per_256": 0.1, "schedule.warmup": "none"},
+    ("base", 1): {"data.global_batch_size": 64, "optim.lr_per_256": 0.1, "schedule.warmup": "none"},
+    ("base", 2): {"data.global_batch_size": 64, "optim.lr_per_256": 0.1, "schedule.warmup": "none"},
+    ("big", 0): {"data.global_batch_size": 512, "optim.lr_per_256": 1.0, "schedule.warmup": "gradual",
+                 "model.sync_bn": True},
+    ("big", 1): {"data.global_batch_size": 256, "optim.lr_per_256": 1.0, "schedule.warmup": "gradual",
+                 "model.sync_bn": True},
+}
+
+
+def fake_summary(cell: str, seed: int) -> dict:
+    """summary.json as train.py writes it (no eval_loss here: a metric no run has is not listed)."""
+    return {"steps": 100 + seed, "wall_time_s": 30.5 + seed, "eval_top1": 0.61 + 0.01 * seed + 0.1 * (cell == "big"),
+            "eval_top5": 0.93 + 0.01 * seed, "images_per_sec": None if (cell, seed) == ("base", 1) else 200.0 + seed,
+            "num_workers": 1, "global_batch_size": HPARAMS.get((cell, seed), {}).get("data.global_batch_size", 256)}
+
+
+def write_fake_run(workdir, cell: str, seed: int, *, finished: bool = True) -> None:
+    run = workdir / "runs" / cell / f"seed{seed}"
+    run.mkdir(parents=True, exist_ok=True)
+    if (cell, seed) != ("big", 1):
+        values = HPARAMS.get((cell, seed), HPARAMS[(cell, 1)])
+        (run / "config.json").write_text(json.dumps({
+            "seed": seed, "data": {"global_batch_size": values["data.global_batch_size"]},
+            "optim": {"lr_per_256": values["optim.lr_per_256"]}, "schedule": {"warmup": values["schedule.warmup"]},
+            "model": {"sync_bn": values.get("model.sync_bn", False)}}))
+    if finished:
+        (run / "summary.json").write_text(json.dumps(fake_summary(cell, seed)))
+
+
+def fake_study(tmp_path):
+    """The study file and a workdir with 5 of its 6 runs finished (big seed 2 still training)."""
+    study_file = tmp_path / "hparams_study.py"
+    study_file.write_text(HPARAMS_STUDY)
+    workdir = tmp_path / "work"
+    for cell, seed in HPARAMS:
+        write_fake_run(workdir, cell, seed)
+    write_fake_run(workdir, "big", 2, finished=False)
+    return study_file, workdir
+
+
+def read_events(directory) -> tuple[dict, dict]:
+    """({hparams plugin tag: HParamsPluginData}, {scalar tag: (step, value)}) of one directory's events."""
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+    from tensorboard.util import tensor_util
+
+    events = event_accumulator.EventAccumulator(str(directory))
+    events.Reload()
+    plugin = {tag: plugin_data_pb2.HParamsPluginData.FromString(content)
+              for tag, content in events.PluginTagToContent("hparams").items()}
+    scalars = {}
+    for tag in events.Tags()["tensors"]:
+        if tag not in plugin:
+            (last,) = events.Tensors(tag)  # one value a run: its final figure
+            scalars[tag] = (last.step, tensor_util.make_ndarray(last.tensor_proto).item())
+    return plugin, scalars
+
+
+def proto_value(value):
+    """A google.protobuf Value as (kind, Python value): the dashboard's column type is the kind."""
+    kind = value.WhichOneof("kind")
+    return kind, getattr(value, kind)
+
+
+def session_dirs(workdir) -> list[str]:
+    root = workdir / "hparams"
+    return sorted(str(path.parent.relative_to(root)) for path in root.glob("*/*/events.out.tfevents.study"))
+
+
+def test_hparams_dashboard_has_every_finished_run_with_its_config_and_final_figures(tmp_path):
+    study_file, workdir = fake_study(tmp_path)
+    result = subprocess.run(study_command(study_file, workdir) + ["--report_only"], cwd=REPO, env=quiet_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert session_dirs(workdir) == ["base/seed0", "base/seed1", "base/seed2", "big/seed0", "big/seed1"]
+    for (cell, seed), values in HPARAMS.items():
+        plugin, scalars = read_events(workdir / "hparams" / cell / f"seed{seed}")
+        start = plugin["_hparams_/session_start_info"].session_start_info
+        kinds = {bool: "bool_value", str: "string_value", int: "number_value", float: "number_value"}
+        expected = {key: (kinds[type(value)], value) for key, value in {"cell": cell, "seed": seed, **values}.items()}
+        assert {key: proto_value(value) for key, value in start.hparams.items()} == expected
+        summary = fake_summary(cell, seed)
+        figures = {tag: (summary["steps"], pytest.approx(summary[tag], rel=1e-6))  # scalars are float32
+                   for tag in ("eval_top1", "eval_top5", "wall_time_s", "images_per_sec") if summary[tag] is not None}
+        assert scalars == figures
+    plugin, _ = read_events(workdir / "hparams")
+    experiment = plugin["_hparams_/experiment"].experiment
+    domains = {info.name: [proto_value(value)[1] for value in info.domain_discrete.values]
+               for info in experiment.hparam_infos}
+    assert domains == {"cell": ["base", "big"], "seed": [0, 1, 2], "data.global_batch_size": [64, 256, 512],
+                       "optim.lr_per_256": [0.1, 1.0], "schedule.warmup": ["gradual", "none"],
+                       "model.sync_bn": [True]}
+    assert [info.name.tag for info in experiment.metric_infos] == ["eval_top1", "eval_top5", "wall_time_s",
+                                                                  "images_per_sec"]
+
+
+def test_refreshing_the_report_rewrites_the_hparams_without_adding_rows(tmp_path):
+    study_file, workdir = fake_study(tmp_path)
+
+    def report_only():
+        result = subprocess.run(study_command(study_file, workdir) + ["--report_only"], cwd=REPO, env=quiet_env(),
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    def files():
+        return {str(path.relative_to(workdir)): path.read_bytes() for path in (workdir / "hparams").rglob("*")
+                if path.is_file()}
+
+    report_only()
+    written = files()
+    assert len(written) == 6  # 5 sessions + the experiment
+    report_only()  # another process (another hash order for the hparams map, another pid)
+    assert files() == written  # the same files, byte for byte
+    study = tfs_study.load_study(str(study_file))
+    # big seed 2 finishes; base seed 0 is being redone (its summary.json removed): the report follows.
+    write_fake_run(workdir, "big", 2)
+    os.remove(workdir / "runs" / "base" / "seed0" / "summary.json")
+    tfs_study.report(study, str(workdir))
+    assert session_dirs(workdir) == ["base/seed1", "base/seed2", "big/seed0", "big/seed1", "big/seed2"]
+    plugin, _ = read_events(workdir / "hparams")
+    infos = {info.name: info for info in plugin["_hparams_/experiment"].experiment.hparam_infos}
+    assert [value.number_value for value in infos["seed"].domain_discrete.values] == [0, 1, 2]
+    assert [value.string_value for value in infos["cell"].domain_discrete.values] == ["base", "big"]
+    assert len(files()) == 6
 
 
 # --- the committed study files (studies/): what each cell actually trains with -----------------------------------

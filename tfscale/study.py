@@ -19,7 +19,8 @@ runs, mean +- sample std of the final eval top-1, mean wall time, and the one-ta
 p-value of "this cell's top-1 is lower than the baseline's", scipy.stats.ttest_ind with
 equal_var=False, alternative="less") and `study.png` (mean top-1 +- std against `plot.x` for each
 value of `plot.series`; the values come from the cells' `"plot_values"` entries; a list of series values
-puts the cell's point on each of those lines).
+puts the cell's point on each of those lines), and each finished run goes to TensorBoard's HParams
+dashboard (`tensorboard --logdir WORKDIR`; tfscale/study_hparams.py writes WORKDIR/hparams/).
 
 On a Slurm cluster the runs can go out as a job array, one task a run, each with the job's nodes and
 GPUs: `tools/make_sbatch.py --study=STUDY_FILE ...` writes it; task K asks `--run_index=K --print_run`
@@ -41,6 +42,7 @@ from absl import app, flags, logging
 
 from tfscale import io as tfio
 from tfscale import logs
+from tfscale import study_hparams
 
 _REQUIRED = ("config", "cells", "seeds", "baseline")
 
@@ -70,6 +72,11 @@ def load_study(path: str) -> dict:
                          f"{', '.join(study['cells'])}")
     if not study["seeds"] or len(set(study["seeds"])) != len(study["seeds"]):
         raise ValueError(f"study file {path}: seeds must be distinct and at least one, got {study['seeds']}")
+    for cell in cells_of(study):  # their keys are the HParams dashboard's columns
+        try:
+            study_hparams.override_items(cell.name, cell.overrides)
+        except ValueError as err:
+            raise ValueError(f"study file {path}: {err}") from err
     return study
 
 
@@ -241,13 +248,17 @@ def plot(study: dict, table: dict[str, dict], path: str) -> bool:
 
 
 def report(study: dict, workdir: str) -> dict[str, dict]:
-    """study.json, study.md and study.png from the finished runs; returns the per-cell table."""
+    """study.json, study.md, study.png and the HParams summaries (WORKDIR/hparams) from the finished runs;
+    returns the per-cell table."""
     results = collect(study, workdir)
     table = cell_statistics(results, study["baseline"])
     tfio.write_json(os.path.join(workdir, "study.json"), {"study": study, "cells": table, "runs": results},
                     sort_keys=True)
     tfio.write_bytes(os.path.join(workdir, "study.md"), markdown(study, table, results).encode())
     plot(study, table, os.path.join(workdir, "study.png"))
+    study_hparams.write(workdir, [study_hparams.RunSpec(cell.name, seed, cell.overrides,
+                                                        run_dir(workdir, cell.name, seed))
+                                  for cell, seed in runs_of(study)])
     return table
 
 
@@ -281,7 +292,8 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """Console-script entry point (`tfscale-study`)."""
-    flags.DEFINE_string("workdir", None, "Where the runs, study.json, study.md and study.png go.")
+    flags.DEFINE_string("workdir", None, "Where the runs, study.json, study.md, study.png and hparams/ "
+                        "(TensorBoard's HParams dashboard) go.")
     flags.DEFINE_bool("report_only", False, "Only collect the finished runs into the report; run nothing.")
     flags.DEFINE_integer("run_index", None, "Only this run (0-based, cells in file order x seeds), then the "
                          "report: what one task of a Slurm job array does.")
