@@ -293,3 +293,17 @@ def test_validate_does_not_import_tensorflow():
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("overrides, num_replicas, message", [
+    (["--config.model.bn_group_size=12"], 2, r"bn_group_size=12 does not divide the batch each replica computes at "
+                                             r"once \(16: config.data.global_batch_size=32 over 2 replicas"),
+    (["--config.model.bn_group_size=16", "--config.optim.grad_accum_steps=4"], 1,
+     r"bn_group_size=16 does not divide the batch each replica computes at once \(8: .* and 4 micro-batches\)"),
+    (["--config.model.bn_group_size=8", "--config.model.sync_bn=True"], 1, r"bn_group_size=8 with .*sync_bn=True"),
+])
+def test_ghost_batch_norm_groups_must_tile_each_replicas_batch(overrides, num_replicas, message):
+    cfg = load_config("smoke", *overrides)
+    with pytest.raises(tfs_config.ConfigError, match=message):
+        tfs_config.validate(cfg, num_replicas=num_replicas)
+    tfs_config.validate(load_config("smoke", "--config.model.bn_group_size=8"), num_replicas=2)  # 16 = 2 x 8

@@ -147,6 +147,26 @@ def test_mirrored_two_cpu_devices_equals_one_device(tmp_path, one_worker_global_
     assert_weights_close(weights(tmp_path / "w.npz"), one_worker_global_batch[0], rtol=2e-3, atol=2e-4)
 
 
+@pytest.mark.slow
+def test_ghost_batch_norm_on_one_device_equals_replicas_with_their_own_batch_norm(tmp_path, one_worker_global_batch):
+    """One device with the global batch of 32 in BatchNorm groups of 16 computes what 2 replicas of 16 with
+    per-replica BatchNorm compute (moving statistics included): how a study keeps the batch each BatchNorm
+    sees fixed while the global batch grows, without a replica per group."""
+    per_replica_bn = [*SHORT, "--config.model.sync_bn=False"]
+    runs = {"replicas": ["--config.distribute.backend=mirrored", "--config.distribute.num_cpu_devices=2"],
+            "ghost": ["--config.model.bn_group_size=16"]}
+    for name, overrides in runs.items():
+        result = subprocess.run(
+            [sys.executable, DRIVER, str(tmp_path / f"{name}.npz"), *per_replica_bn, *overrides,
+             f"--workdir={tmp_path / name}"], cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    ghost, replicas = weights(tmp_path / "ghost.npz"), weights(tmp_path / "replicas.npz")
+    assert_weights_close(ghost, replicas, rtol=2e-3, atol=2e-4)
+    # BatchNorm over all 32 (the one-worker reference, sync BN) is another computation: the check can fail.
+    with pytest.raises(AssertionError):
+        assert_weights_close(ghost, one_worker_global_batch[0], rtol=2e-3, atol=2e-4)
+
+
 def first_errors(output: str, lines: int = 30) -> str:
     """Every rank's first error lines, then the end: a peer's "Horovod has been shut down" tail
     otherwise hides the error of the rank that went first."""

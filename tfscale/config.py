@@ -93,6 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.bn_momentum = 0.9  # Keras BatchNormalization momentum (moving-average decay)
     c.model.bn_epsilon = 1e-5  # BatchNormalization epsilon
     c.model.sync_bn = False  # BatchNorm statistics over all replicas (exact N x b == 1 x N*b; costs an all-reduce)
+    c.model.bn_group_size = 0  # >0: BatchNorm statistics over groups of this many examples of each replica's batch
     c.model.data_format = "channels_last"  # channels_first can be faster on some GPUs; CPUs need last
     c.model.init_from = ""  # start from these weights: a tfscale workdir/checkpoint, .keras or .weights.h5 ("" = random)
     c.model.init_skip_head = False  # init_from: re-initialise the classifier (fine-tuning to another num_classes)
@@ -348,6 +349,21 @@ def _require_divisible(key: str, batch_size: int, num_replicas: int) -> None:
         )
 
 
+def _check_bn_groups(cfg: ml_collections.ConfigDict, num_replicas: int) -> None:
+    """Ghost BatchNorm's groups must tile each replica's batch (and its micro-batches)."""
+    group = cfg.model.bn_group_size
+    if not group:
+        return
+    if cfg.model.sync_bn:
+        raise ConfigError(f"config.model.bn_group_size={group} with config.model.sync_bn=True: statistics over groups "
+                          "of a replica's batch and over all replicas exclude each other; set one of them")
+    micro_batch = cfg.data.global_batch_size // num_replicas // cfg.optim.grad_accum_steps
+    if group < 0 or micro_batch % group:
+        raise ConfigError(f"config.model.bn_group_size={group} does not divide the batch each replica computes "
+                          f"at once ({micro_batch}: config.data.global_batch_size={cfg.data.global_batch_size} over "
+                          f"{num_replicas} replicas and {cfg.optim.grad_accum_steps} micro-batches)")
+
+
 def _check_micro_batch(cfg: ml_collections.ConfigDict, num_replicas: int) -> None:
     """Each replica's batch must split into `optim.grad_accum_steps` equal micro-batches."""
     per_replica, micro_batches = cfg.data.global_batch_size // num_replicas, cfg.optim.grad_accum_steps
@@ -426,6 +442,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
     if num_replicas is not None:
         _require_divisible("data.global_batch_size", cfg.data.global_batch_size, num_replicas)
         _check_micro_batch(cfg, num_replicas)
+        _check_bn_groups(cfg, num_replicas)
         _require_divisible("data.eval_global_batch_size", eval_batch, num_replicas)
         _check_per_replica_batch(cfg.data, num_replicas, cfg.optim.grad_accum_steps)
     _fill_decay_epochs(cfg.schedule, cfg.train.epochs)

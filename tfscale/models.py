@@ -94,6 +94,8 @@ class ModelOptions:
       data_format: layout used inside the network; input is always NHWC.
       mean_rgb, stddev_rgb: per-channel normalisation on the 0-255 scale.
       sync_bn: BatchNorm statistics over the global batch (all replicas) instead of per replica.
+      bn_group_size: BatchNorm training statistics over groups of this many examples of a replica's batch
+        (`GhostBatchNormalization`); 0: over the replica's whole batch.
     """
 
     zero_init_residual: bool = True
@@ -103,6 +105,7 @@ class ModelOptions:
     mean_rgb: Sequence[float] = IMAGENET_MEAN_RGB
     stddev_rgb: Sequence[float] = IMAGENET_STDDEV_RGB
     sync_bn: bool = False
+    bn_group_size: int = 0
 
     @property
     def channel_axis(self) -> int:
@@ -144,7 +147,9 @@ def _conv(x, filters: int, kernel_size: int, stride: int, name: str, opts: Model
 def _batch_norm(x, name: str, opts: ModelOptions, *, closes_residual_branch: bool = False):
     """BatchNorm; with ``zero_init_residual`` the BN closing a residual branch starts at gamma=0."""
     zero_gamma = closes_residual_branch and opts.zero_init_residual
-    return layers.BatchNormalization(
+    ghost = {"group_size": opts.bn_group_size} if opts.bn_group_size else {}
+    return (GhostBatchNormalization if ghost else layers.BatchNormalization)(
+        **ghost,
         axis=opts.channel_axis,
         momentum=opts.bn_momentum,
         epsilon=opts.bn_epsilon,
@@ -154,6 +159,43 @@ def _batch_norm(x, name: str, opts: ModelOptions, *, closes_residual_branch: boo
         synchronized=opts.sync_bn,
         name=name,
     )(x)
+
+
+@keras.saving.register_keras_serializable(package="tfscale")
+class GhostBatchNormalization(layers.BatchNormalization):
+    """BatchNormalization whose training statistics are those of groups of `group_size` consecutive examples
+    (ghost batch norm, Hoffer et al. 2017): one device with batch G x group_size normalises as G replicas of
+    group_size with per-replica BatchNorm do, and updates the moving statistics with the mean of the groups'
+    statistics, as tfscale's replicas average theirs after each step. Inference and frozen layers are plain
+    BatchNorm. The batch must be a multiple of `group_size` (config.validate checks the per-replica batch).
+    """
+
+    def __init__(self, group_size: int, **kwargs):
+        super().__init__(**kwargs)
+        self.group_size = group_size
+
+    def call(self, inputs, training=None, mask=None):
+        if not (training and self.trainable) or mask is not None or self.renorm:
+            return super().call(inputs, training=training, mask=mask)
+        x = ops.cast(inputs, "float32")  # as BatchNormalization: float16 statistics overflow
+        grouped = ops.reshape(x, (-1, self.group_size, *x.shape[1:]))
+        channel_axis = self.axis % len(x.shape) + 1  # in the grouped tensor
+        reduce_axes = [a for a in range(1, len(grouped.shape)) if a != channel_axis]
+        mean, variance = ops.moments(grouped, axes=reduce_axes, keepdims=True)
+        normalized = (grouped - mean) * ops.rsqrt(variance + self.epsilon)
+        shape = [1] * len(grouped.shape)
+        shape[channel_axis] = -1
+        if self.scale:
+            normalized = normalized * ops.reshape(ops.cast(self.gamma, "float32"), shape)
+        if self.center:
+            normalized = normalized + ops.reshape(ops.cast(self.beta, "float32"), shape)
+        for moving, batch_value in ((self.moving_mean, mean), (self.moving_variance, variance)):
+            group_average = ops.reshape(ops.mean(batch_value, axis=0), (-1,))
+            moving.assign(ops.cast(moving, "float32") * self.momentum + group_average * (1.0 - self.momentum))
+        return ops.cast(ops.reshape(normalized, ops.shape(x)), self.compute_dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "group_size": self.group_size}
 
 
 def _conv_bn_relu(x, filters: int, kernel_size: int, stride: int, prefix: str, index: int, opts: ModelOptions):
@@ -345,6 +387,7 @@ def create_from_config(cfg: ml_collections.ConfigDict) -> keras.Model:
         bn_epsilon=cfg.model.bn_epsilon,
         data_format=cfg.model.data_format,
         sync_bn=cfg.model.sync_bn,
+        bn_group_size=cfg.model.bn_group_size,
     )
 
 
