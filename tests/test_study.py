@@ -330,6 +330,16 @@ def test_every_cell_of_the_committed_studies_validates(path):
         assert cfg.data.num_train_examples == 12_800
 
 
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "studies", "pilots", "*.py"))),
+                         ids=os.path.basename)
+def test_every_cell_of_the_pilots_validates_and_keeps_batchnorm_groups_of_32(path):
+    """Pilots (one seed, no report) for a study's design; each BatchNorm sees 32 images at every batch."""
+    study = tfs_study.load_study(path)
+    for cell in tfs_study.cells_of(study):
+        cfg, _ = cell_config(path, cell.name)
+        assert cfg.model.bn_group_size == 32 and cfg.data.global_batch_size % 32 == 0
+
+
 def test_lr_scaling_cells_train_with_the_lrs_their_method_names():
     from tfscale import schedules
 

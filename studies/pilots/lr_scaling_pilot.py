@@ -2,7 +2,7 @@
 
     tfscale-convert --format=idx --input_dir=/usr/share/datasets/fashion-mnist --output_dir=runs/fmnist55k \
         --validation_examples=5000
-    python -m tfscale.study studies/lr_scaling_pilot.py --workdir=runs/study_lr_pilot
+    python -m tfscale.study studies/pilots/lr_scaling_pilot.py --workdir=runs/study_lr_pilot
 
 The set-up of the LR-scaling rerun for a few epochs, one seed: the whole 55,000-image
 Fashion-MNIST training split, weight decay 1e-4, BatchNorm over groups of 32 images at every batch (ghost

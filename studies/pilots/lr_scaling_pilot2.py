@@ -1,6 +1,6 @@
 """Second pilot for the LR-scaling rerun: LR 1.6, with the step decay, 6 epochs.
 
-    python -m tfscale.study studies/lr_scaling_pilot2.py --workdir=runs/study_lr_pilot2
+    python -m tfscale.study studies/pilots/lr_scaling_pilot2.py --workdir=runs/study_lr_pilot2
 
 The first pilot (lr_scaling_pilot.py) found that at a constant LR of 1.6 or more nothing trains in 3
 epochs, warmup or not. Here the LR falls /10 at 1/3, 2/3 and 8/9 of 6 epochs (ImageNet's 30/60/80 of
