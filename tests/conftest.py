@@ -115,6 +115,22 @@ def stop_at_step(step):
     return StopAtStep()
 
 
+def frozen_bn_model_and_optimizer(cfg, cluster):
+    """The config's model (seeded) with every BatchNorm frozen, so a step does not depend on how the batch is
+    split over replicas, and its optimizer; built in the cluster's strategy scope."""
+    import keras
+
+    from tfscale import engine
+
+    keras.utils.set_random_seed(cfg.seed)
+    with cluster.strategy.scope():
+        model = engine.build_model(cfg)
+        for layer in model.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.trainable = False
+        return model, engine.build_optimizer(cfg, model)
+
+
 def quiet_env(**extra):
     """The environment for a worker subprocess: quiet, one thread each, no inherited TF_CONFIG."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1",

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import REPO, load_config, read_jsonl, run_cli  # noqa: E402
+from conftest import REPO, frozen_bn_model_and_optimizer, load_config, read_jsonl, run_cli  # noqa: E402
 
 from tfscale import config as tfs_config  # noqa: E402
 from tfscale import distribute, engine, init_from, optim  # noqa: E402
@@ -65,13 +65,7 @@ def one_clipped_step(*overrides: str, local: bool = False) -> dict:
     cfg = load_config("smoke", f"--config.optim.clip_global_norm={CLIP}", *overrides)
     cluster = distribute.setup(cfg.distribute)
     with engine.precision_policy(cfg.precision):
-        keras.utils.set_random_seed(cfg.seed)
-        with cluster.strategy.scope():
-            model = engine.build_model(cfg)
-            for layer in model.layers:
-                if isinstance(layer, keras.layers.BatchNormalization):
-                    layer.trainable = False
-            optimizer = engine.build_optimizer(cfg, model)
+        model, optimizer = frozen_bn_model_and_optimizer(cfg, cluster)
         images, labels = first_batch(cfg)
         initial = [v.numpy() for v in model.trainable_variables]
         grads, _ = reference_gradients(model, images, labels, cfg.optim.weight_decay)

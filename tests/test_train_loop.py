@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import REPO, checkpoint_values, load_config, read_jsonl, stop_at_step
+from conftest import REPO, checkpoint_values, frozen_bn_model_and_optimizer, load_config, read_jsonl, stop_at_step
 
 from tfscale import config as tfs_config
 from tfscale import distribute, engine, launch, local_sgd, train
@@ -91,13 +91,7 @@ def test_a_loop_ends_where_the_host_must_act():
 def _frozen_bn_step_weights(cfg, batches):
     """Weights after one update per batch, BatchNorm frozen (inference mode): no batch-size dependence."""
     cluster = distribute.setup(cfg.distribute)
-    keras.utils.set_random_seed(cfg.seed)
-    with cluster.strategy.scope():
-        model = engine.build_model(cfg)
-        for layer in model.layers:
-            if isinstance(layer, keras.layers.BatchNormalization):
-                layer.trainable = False
-        optimizer = engine.build_optimizer(cfg, model)
+    model, optimizer = frozen_bn_model_and_optimizer(cfg, cluster)
     replica_step = engine.make_replica_step(cfg, cluster, model, optimizer)
 
     @tf.function
