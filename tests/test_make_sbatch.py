@@ -346,6 +346,17 @@ def test_every_cell_of_a_study_is_validated_and_a_bad_one_named(tmp_path, capsys
     assert "give either --config (one run) or --study" in capsys.readouterr().err
 
 
+def test_a_study_whose_cells_need_different_worker_counts_is_refused_naming_them(tmp_path, capsys):
+    study = tmp_path / "workers_study.py"
+    study.write_text(STUDY.replace('"b90": ["--config.data.global_batch_size=90"]',
+                                   '"b96": {"overrides": ["--config.data.global_batch_size=96"], "num_workers": 4}'))
+    assert make_sbatch.main([f"--study={study}", "--nodes=1", "--gpus_per_node=0", "--tasks_per_node=2",
+                             "--backend=mwms", f"--output={tmp_path / 'job.sbatch'}"]) == 2
+    assert not (tmp_path / "job.sbatch").exists()
+    err = capsys.readouterr().err
+    assert "different worker counts (b32: 1, b64: 1, b96: 4)" in err and "one job array per worker count" in err
+
+
 def test_an_array_task_trains_its_run_with_the_jobs_own_overrides_last(tmp_path):
     study = tmp_path / "batch_study.py"
     study.write_text(STUDY)

@@ -111,6 +111,44 @@ def test_statistics_on_known_numbers():
     assert table["worse"]["p_lower_than_baseline"] < 0.001
 
 
+def test_comparisons_on_known_numbers_take_the_alternative_asked_for():
+    results = {"base": [{"seed": s, "eval_top1": v, "wall_time_s": 1.0} for s, v in enumerate((0.90, 0.91, 0.92))],
+               "better": [{"seed": s, "eval_top1": v, "wall_time_s": 1.0} for s, v in enumerate((0.93, 0.95, 0.94))]}
+    rows = tfs_study.comparison_statistics(results, [
+        {"cell": "better", "against": "base", "alternative": alternative} for alternative in tfs_study.ALTERNATIVES])
+    values = ([0.93, 0.95, 0.94], [0.90, 0.91, 0.92])
+    for row in rows:
+        assert row["top1_difference"] == pytest.approx(0.03) and row["runs"] == [3, 3]
+        assert row["p"] == pytest.approx(stats.ttest_ind(*values, equal_var=False,
+                                                         alternative=row["alternative"]).pvalue)
+    assert [row["p"] < 0.05 for row in rows] == [False, True, True]  # less, greater, two-sided
+    study = {"baseline": "base", "comparisons": [{"cell": "better", "against": "base", "alternative": "greater"}]}
+    text = tfs_study.markdown(study, tfs_study.cell_statistics(results, "base"), results)
+    assert f"| better | base | 3 vs 3 | +0.0300 | greater | {rows[1]['p']:.3f} |" in text
+
+
+def test_a_comparison_naming_a_missing_cell_or_alternative_is_refused(tmp_path):
+    bad = tmp_path / "bad.py"
+    template = ("def get_study():\n    return {{'config': 'configs/smoke.py', 'cells': {{'a': [], 'b': []}}, "
+                "'seeds': [0], 'baseline': 'a', 'comparisons': [{}]}}\n")
+    bad.write_text(template.format("{'cell': 'c', 'against': 'a', 'alternative': 'less'}"))
+    with pytest.raises(ValueError, match=r"bad.py: comparisons\[0\]: cell 'c' is not one of the cells a, b"):
+        tfs_study.load_study(str(bad))
+    bad.write_text(template.format("{'cell': 'b', 'against': 'a', 'alternative': 'higher'}"))
+    with pytest.raises(ValueError, match=r"alternative 'higher' is not one of less, greater, two-sided"):
+        tfs_study.load_study(str(bad))
+
+
+def test_a_cell_with_its_own_worker_count_runs_through_the_launcher_with_it(tmp_path):
+    study_file = tmp_path / "workers.py"
+    study_file.write_text("def get_study():\n    return {'config': 'configs/smoke.py', 'seeds': [0], 'baseline': 'one', "
+                          "'num_workers': 2, 'cells': {'one': {'overrides': [], 'num_workers': 1}, 'two': []}}\n")
+    study = tfs_study.load_study(str(study_file))
+    one, two = tfs_study.cells_of(study)
+    assert tfs_study.train_command(study, one, 0, "d")[1:3] == ["-m", "tfscale.train"]
+    assert tfs_study.train_command(study, two, 0, "d")[1:4] == ["-m", "tfscale.launch", "--num_workers=2"]
+
+
 def test_study_file_errors_name_file_and_key(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def get_study():\n    return {'config': 'configs/smoke.py', 'cells': {'a': []}, 'seeds': [0], "
@@ -315,7 +353,7 @@ def cell_config(path: str, cell: str):
     name = os.path.splitext(os.path.basename(study["config"]))[0]
     cfg = load_config(name, *tfs_study.run_overrides(study, match[0], study["seeds"][0]),
                       f"--config.data.data_dir={REPO}")
-    tfs_config.validate(cfg, num_replicas=int(study.get("num_workers", 1)))
+    tfs_config.validate(cfg, num_replicas=match[0].num_workers)
     return cfg, study
 
 
@@ -323,11 +361,20 @@ def cell_config(path: str, cell: str):
 def test_every_cell_of_the_committed_studies_validates(path):
     study = tfs_study.load_study(path)
     assert len(study["seeds"]) >= 3
-    # The shards its docstring's conversion writes: --train_examples=12800, read from runs/fmnist12k.
-    assert "--config.data.data_dir=runs/fmnist12k" in study["overrides"]
+    # The shards its docstring's conversion writes, and the examples that conversion puts in them.
+    converted = {"runs/fmnist12k": 12_800, "runs/fmnist55k": 55_000}
+    data_dir = [o.split("=", 1)[1] for o in study["overrides"] if o.startswith("--config.data.data_dir=")]
+    assert len(data_dir) == 1 and data_dir[0] in converted and data_dir[0] in study_docstring(path)
     for cell in tfs_study.cells_of(study):
         cfg, _ = cell_config(path, cell.name)
-        assert cfg.data.num_train_examples == 12_800
+        assert cfg.data.num_train_examples == converted[data_dir[0]]
+
+
+def study_docstring(path: str) -> str:
+    import ast
+
+    with open(path) as f:
+        return ast.get_docstring(ast.parse(f.read()))
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "studies", "pilots", "*.py"))),
@@ -340,26 +387,42 @@ def test_every_cell_of_the_pilots_validates_and_keeps_batchnorm_groups_of_32(pat
         assert cfg.model.bn_group_size == 32 and cfg.data.global_batch_size % 32 == 0
 
 
-def test_lr_scaling_cells_train_with_the_lrs_their_method_names():
+def lr_scaling_cell(cell: str):
+    """(config, steps per epoch, LR at a step) of one cell of the LR-scaling study."""
     from tfscale import schedules
 
-    path = os.path.join(REPO, "studies", "lr_scaling_fmnist.py")
+    cfg, _ = cell_config(os.path.join(REPO, "studies", "lr_scaling_fmnist.py"), cell)
+    steps_per_epoch = cfg.data.num_train_examples // cfg.data.global_batch_size
+    lr_at = schedules.make_schedule(cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=steps_per_epoch,
+                                    total_steps=int(cfg.train.epochs * steps_per_epoch))
+    return cfg, steps_per_epoch, lr_at
 
-    def lr_table(cell):
-        cfg, _ = cell_config(path, cell)
-        steps_per_epoch = cfg.data.num_train_examples // cfg.data.global_batch_size
-        lr_at = schedules.make_schedule(cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=steps_per_epoch,
-                                        total_steps=int(cfg.train.epochs * steps_per_epoch))
-        return steps_per_epoch, lr_at
 
-    # Steps per epoch shrink 32-fold, as from 1 to 32 GPUs at a fixed per-GPU batch.
-    assert [lr_table(cell)[0] for cell in ("b32", "linear_b256", "linear_b1024")] == [400, 50, 12]
-    base = lr_table("b32")[1]
-    assert base(0) == pytest.approx(0.025) and base(4 * 400) == pytest.approx(0.0025)  # no warmup; /10 at epoch 4
-    assert lr_table("naive_b1024")[1](0) == pytest.approx(0.025)  # the baseline's LR, unscaled
-    assert lr_table("linear_b1024")[1](0) == pytest.approx(0.8)  # x32, from the first step
-    stepping = lr_table("stepping_b1024")[1]
-    assert [stepping(s) for s in (0, 11, 12, 23, 24)] == pytest.approx([0.8 / 3, 0.8 / 3, 1.6 / 3, 1.6 / 3, 0.8])
-    gradual = lr_table("gradual_b1024")[1]
-    assert gradual(0) == pytest.approx(0.025) and gradual(24) == pytest.approx(0.8)  # from the baseline's LR
-    assert 0.025 < gradual(12) < 0.8 and gradual(12) == pytest.approx((0.025 + 0.8) / 2)
+LR_SCALING_CELLS = ("b32", "linear", "stepping1", "stepping1_b256", "gradual1", "gradual2")
+
+
+@pytest.mark.parametrize("cell", LR_SCALING_CELLS)
+def test_every_lr_scaling_cell_has_32_images_a_replica_and_the_theses_set_up(cell):
+    """The batch grows by replicas, as GPUs are added in the thesis: every BatchNorm sees 32 images."""
+    cfg, steps_per_epoch, _ = lr_scaling_cell(cell)
+    assert cfg.model.bn_group_size == 32 and cfg.data.global_batch_size % 32 == 0
+    assert cfg.optim.weight_decay == 1e-4 and cfg.schedule.warmup_granularity == "epoch"
+    assert cfg.data.num_train_examples == 55_000 and cfg.train.epochs == 9
+    assert cfg.schedule.decay_epochs == (3, 6, 8)  # 30/60/80 of 90
+    if cfg.data.global_batch_size == 1024:
+        assert steps_per_epoch * cfg.train.epochs >= 400  # hundreds of steps at the largest batch
+
+
+def test_lr_scaling_cells_train_with_the_lrs_of_the_theses_experiments():
+    assert [lr_scaling_cell(c)[1] for c in ("b32", "stepping1_b256", "linear")] == [1718, 214, 53]
+    _, spe, base = lr_scaling_cell("b32")
+    assert base(0) == pytest.approx(0.05) and base(3 * spe) == pytest.approx(0.005)  # 1 replica; /10 at epoch 3
+    assert lr_scaling_cell("linear")[2](0) == pytest.approx(1.6)  # x32, from the first step (Exp 5)
+    _, spe, stepping = lr_scaling_cell("stepping1")
+    assert [stepping(s) for s in (0, spe - 1, spe)] == pytest.approx([0.8, 0.8, 1.6])  # per epoch (Exp 6)
+    _, spe, stepping = lr_scaling_cell("stepping1_b256")
+    assert [stepping(s) for s in (0, spe)] == pytest.approx([0.2, 0.4])  # a quarter of the batch (Exp 7)
+    _, spe, gradual = lr_scaling_cell("gradual1")
+    assert [gradual(s) for s in (0, spe - 1, spe)] == pytest.approx([0.05, 0.05, 1.6])  # from 1 replica's LR (Exp 8)
+    _, spe, gradual = lr_scaling_cell("gradual2")
+    assert [gradual(s) for s in (0, spe, 2 * spe, 3 * spe)] == pytest.approx([0.05, 0.825, 1.6, 0.16])  # Exp 9

@@ -1,14 +1,18 @@
 r"""Seeded studies: every cell of a grid of config overrides x every seed, run, collected and tested.
 
     python -m tfscale.study studies/lr_scaling_fmnist.py --workdir=runs/lr_study     # or tfscale-study
+    python -m tfscale.study docs/studies/lr_scaling.json      # a stored study.json's tables, recomputed
 
 A study file is Python with `get_study()` returning a dict:
 
     {"config": "configs/cifar_resnet20.py",          # the base recipe (PATH[:ARG], as --config takes it)
      "overrides": ["--config.data.data_dir=..."],    # for every run
      "cells": {"naive": ["--config.optim.lr_per_256=..."], "linear": [...], ...},   # name -> overrides
+     # or name -> {"overrides": [...], "plot_values": {...}, "num_workers": M} (M: this cell's worker count)
      "seeds": [0, 1, 2],                             # config.seed of each run of a cell
      "baseline": "linear",                           # the cell every other is tested against
+     # optional: further Welch tests, each of one cell against another; alternative: less | greater | two-sided
+     "comparisons": [{"cell": "gradual", "against": "linear", "alternative": "greater"}],
      "num_workers": 1, "backend": "mwms",            # > 1: each run through tfscale.launch
      "plot": {"x": "data.global_batch_size", "series": "method", "x_label": "global batch"}}
 
@@ -17,7 +21,8 @@ exists is finished and skipped, so a killed study (or a preempted job) picks up 
 Afterwards the summaries are collected into `study.json` (every run's figures), `study.md` (per cell:
 runs, mean +- sample std of the final eval top-1, mean wall time, and the one-tailed Welch t-test
 p-value of "this cell's top-1 is lower than the baseline's", scipy.stats.ttest_ind with
-equal_var=False, alternative="less") and `study.png` (mean top-1 +- std against `plot.x` for each
+equal_var=False, alternative="less"; then one row per entry of "comparisons": the difference of the
+means and the p-value of the alternative asked for) and `study.png` (mean top-1 +- std against `plot.x` for each
 value of `plot.series`; the values come from the cells' `"plot_values"` entries; a list of series values
 puts the cell's point on each of those lines), and each finished run goes to TensorBoard's HParams
 dashboard (`tensorboard --logdir WORKDIR`; tfscale/study_hparams.py writes WORKDIR/hparams/).
@@ -45,6 +50,7 @@ from tfscale import logs
 from tfscale import study_hparams
 
 _REQUIRED = ("config", "cells", "seeds", "baseline")
+ALTERNATIVES = ("less", "greater", "two-sided")  # scipy.stats.ttest_ind's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,7 @@ class Cell:
     name: str
     overrides: tuple[str, ...]
     plot_values: dict  # e.g. {"data.global_batch_size": 512, "method": "linear"} for study.png
+    num_workers: int  # worker processes of each run: the cell's "num_workers", else the study's, else 1
 
 
 def load_study(path: str) -> dict:
@@ -72,6 +79,8 @@ def load_study(path: str) -> dict:
                          f"{', '.join(study['cells'])}")
     if not study["seeds"] or len(set(study["seeds"])) != len(study["seeds"]):
         raise ValueError(f"study file {path}: seeds must be distinct and at least one, got {study['seeds']}")
+    for i, comparison in enumerate(study.get("comparisons", ())):
+        _check_comparison(path, i, comparison, study["cells"])
     for cell in cells_of(study):  # their keys are the HParams dashboard's columns
         try:
             study_hparams.override_items(cell.name, cell.overrides)
@@ -80,12 +89,23 @@ def load_study(path: str) -> dict:
     return study
 
 
+def _check_comparison(path: str, index: int, comparison: dict, cells: dict) -> None:
+    where = f"study file {path}: comparisons[{index}]"
+    if not isinstance(comparison, dict) or set(comparison) != {"cell", "against", "alternative"}:
+        raise ValueError(f"{where} must be a dict with exactly cell, against and alternative, got {comparison!r}")
+    for key in ("cell", "against"):
+        if comparison[key] not in cells:
+            raise ValueError(f"{where}: {key} {comparison[key]!r} is not one of the cells {', '.join(cells)}")
+    if comparison["alternative"] not in ALTERNATIVES:
+        raise ValueError(f"{where}: alternative {comparison['alternative']!r} is not one of {', '.join(ALTERNATIVES)}")
+
+
 def cells_of(study: dict) -> list[Cell]:
     cells = []
     for name, spec in study["cells"].items():
-        overrides = spec["overrides"] if isinstance(spec, dict) else spec
-        values = spec.get("plot_values", {}) if isinstance(spec, dict) else {}
-        cells.append(Cell(name, tuple(overrides), dict(values)))
+        spec = spec if isinstance(spec, dict) else {"overrides": spec}
+        workers = int(spec.get("num_workers", study.get("num_workers", 1)))
+        cells.append(Cell(name, tuple(spec["overrides"]), dict(spec.get("plot_values", {})), workers))
     return cells
 
 
@@ -107,10 +127,9 @@ def train_command(study: dict, cell: Cell, seed: int, directory: str) -> list[st
     """The command of one run: tfscale.train, through tfscale.launch for more than one worker."""
     train = ["-m", "tfscale.train", f"--config={study['config']}", f"--workdir={directory}",
              *run_overrides(study, cell, seed)]
-    workers = int(study.get("num_workers", 1))
-    if workers == 1:
+    if cell.num_workers == 1:
         return [sys.executable, *train]
-    return [sys.executable, "-m", "tfscale.launch", f"--num_workers={workers}",
+    return [sys.executable, "-m", "tfscale.launch", f"--num_workers={cell.num_workers}",
             f"--backend={study.get('backend', 'mwms')}", "--", *train]
 
 
@@ -165,7 +184,6 @@ def collect(study: dict, workdir: str) -> dict[str, list[dict]]:
 
 def cell_statistics(results: dict[str, list[dict]], baseline: str) -> dict[str, dict]:
     """Per cell: runs, mean and sample std of eval_top1, mean wall time, Welch one-tailed p vs the baseline."""
-    from scipy import stats
     import numpy as np
 
     reference = [r["eval_top1"] for r in results[baseline]]
@@ -176,11 +194,30 @@ def cell_statistics(results: dict[str, list[dict]], baseline: str) -> dict[str, 
                "top1_std": float(np.std(top1, ddof=1)) if len(top1) > 1 else math.nan,
                "wall_time_s_mean": float(np.mean([r["wall_time_s"] for r in runs])) if runs else math.nan,
                "p_lower_than_baseline": math.nan}
-        if name != baseline and len(top1) > 1 and len(reference) > 1:
-            row["p_lower_than_baseline"] = float(stats.ttest_ind(top1, reference, equal_var=False,
-                                                                 alternative="less").pvalue)
+        if name != baseline:
+            row["p_lower_than_baseline"] = welch_p(top1, reference, "less")
         table[name] = row
     return table
+
+
+def welch_p(top1: list[float], reference: list[float], alternative: str) -> float:
+    """Welch's t-test p-value (scipy) that `top1` is less / greater / different than `reference`; nan below 2 runs."""
+    from scipy import stats
+
+    if len(top1) < 2 or len(reference) < 2:
+        return math.nan
+    return float(stats.ttest_ind(top1, reference, equal_var=False, alternative=alternative).pvalue)
+
+
+def comparison_statistics(results: dict[str, list[dict]], comparisons: list[dict]) -> list[dict]:
+    """One row per comparison: its cells, runs, the difference of the mean top-1 (cell - against) and p."""
+    rows = []
+    for comparison in comparisons:
+        top1, reference = ([r["eval_top1"] for r in results[comparison[key]]] for key in ("cell", "against"))
+        difference = sum(top1) / len(top1) - sum(reference) / len(reference) if top1 and reference else math.nan
+        rows.append({**comparison, "runs": [len(top1), len(reference)], "top1_difference": difference,
+                     "p": welch_p(top1, reference, comparison["alternative"])})
+    return rows
 
 
 def _number(value: float, digits: int = 4) -> str:
@@ -196,7 +233,21 @@ def markdown(study: dict, table: dict[str, dict], results: dict[str, list[dict]]
                      f"{_number(row['wall_time_s_mean'], 0)} | {_number(row['p_lower_than_baseline'], 3)} | {seeds} |")
     note = ("p: one-tailed Welch t-test (scipy.stats.ttest_ind, equal_var=False, alternative='less') of the cell's "
             f"final eval top-1 against {study['baseline']}'s; '-' for the baseline and cells with fewer than 2 runs.")
-    return "\n".join(lines) + "\n\n" + note + "\n"
+    text = "\n".join(lines) + "\n\n" + note + "\n"
+    comparisons = comparison_statistics(results, study.get("comparisons", []))
+    if comparisons:
+        rows = ["| cell | against | runs | top-1 difference | alternative | p |", "|---|---|---|---|---|---|"]
+        rows += [f"| {c['cell']} | {c['against']} | {c['runs'][0]} vs {c['runs'][1]} | {c['top1_difference']:+.4f} | "
+                 f"{c['alternative']} | {_number(c['p'], 3)} |" for c in comparisons]
+        text += ("\n" + "\n".join(rows) + "\n\nEach row: Welch t-test of the cell's final eval top-1 against the "
+                 "other cell's; 'less': the cell is lower, 'greater': higher, 'two-sided': different.\n")
+    return text
+
+
+def tables_from_json(stored: dict) -> str:
+    """study.md's tables again from a stored study.json (its study and runs), so every figure can be checked."""
+    results = stored["runs"]
+    return markdown(stored["study"], cell_statistics(results, stored["study"]["baseline"]), results)
 
 
 def plot_series(study: dict, table: dict[str, dict]) -> dict:
@@ -252,8 +303,9 @@ def report(study: dict, workdir: str) -> dict[str, dict]:
     returns the per-cell table."""
     results = collect(study, workdir)
     table = cell_statistics(results, study["baseline"])
-    tfio.write_json(os.path.join(workdir, "study.json"), {"study": study, "cells": table, "runs": results},
-                    sort_keys=True)
+    tfio.write_json(os.path.join(workdir, "study.json"),
+                    {"study": study, "cells": table, "runs": results,
+                     "comparisons": comparison_statistics(results, study.get("comparisons", []))}, sort_keys=True)
     tfio.write_bytes(os.path.join(workdir, "study.md"), markdown(study, table, results).encode())
     plot(study, table, os.path.join(workdir, "study.png"))
     study_hparams.write(workdir, [study_hparams.RunSpec(cell.name, seed, cell.overrides,
@@ -268,7 +320,17 @@ FLAGS = flags.FLAGS
 def main(argv: list[str]) -> None:
     logs.configure()
     if len(argv) != 2:
-        raise app.UsageError("usage: python -m tfscale.study STUDY_FILE --workdir=DIR [--report_only] [--run_index=K]")
+        raise app.UsageError("usage: python -m tfscale.study STUDY_FILE --workdir=DIR [--report_only] [--run_index=K]"
+                             "\n   or: python -m tfscale.study STUDY_JSON (print its tables from the stored runs)")
+    if argv[1].endswith(".json"):
+        try:
+            with open(argv[1]) as f:
+                print(tables_from_json(json.load(f)), end="")
+        except (OSError, ValueError, KeyError) as err:
+            sys.exit(f"FATAL study error: {argv[1]} is not a readable study.json: {err!r}")
+        return
+    if not FLAGS.workdir:
+        raise app.UsageError("--workdir is required with a study file")
     try:
         study = load_study(argv[1])
         runs = None if FLAGS.run_index is None else [select_run(study, FLAGS.run_index)]
@@ -293,13 +355,12 @@ def main(argv: list[str]) -> None:
 def run() -> None:
     """Console-script entry point (`tfscale-study`)."""
     flags.DEFINE_string("workdir", None, "Where the runs, study.json, study.md, study.png and hparams/ "
-                        "(TensorBoard's HParams dashboard) go.")
+                        "(TensorBoard's HParams dashboard) go; required with a study file.")
     flags.DEFINE_bool("report_only", False, "Only collect the finished runs into the report; run nothing.")
     flags.DEFINE_integer("run_index", None, "Only this run (0-based, cells in file order x seeds), then the "
                          "report: what one task of a Slurm job array does.")
     flags.DEFINE_bool("print_run", False, "With --run_index: print the run's config, workdir and overrides, one a "
                       "line, and run nothing (the sbatch templates' job-array mode reads this).")
-    flags.mark_flag_as_required("workdir")
     app.run(main)
 
 

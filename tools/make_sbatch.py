@@ -321,6 +321,12 @@ def study_cells(args: argparse.Namespace) -> tuple[int, list[tuple[str, list[str
     except (ValueError, OSError) as err:
         raise UsageError(str(err)) from err
     args.config = study["config"]
+    counts = {cell.num_workers for cell in tfs_study.cells_of(study)}
+    if len(counts) > 1:  # a task's workers are the job's GPUs, the same for every task of the array
+        raise UsageError(f"study {args.study}: its cells train with different worker counts ("
+                         + ", ".join(f"{c.name}: {c.num_workers}" for c in tfs_study.cells_of(study))
+                         + "), and a job array gives every task the same nodes and GPUs: write one job "
+                         "array per worker count, from a study file holding only those cells")
     seed = study["seeds"][0]  # seeds change no key that validation checks
     cells = [(cell.name, tfs_study.run_overrides(study, cell, seed)) for cell in tfs_study.cells_of(study)]
     return len(tfs_study.runs_of(study)), cells
