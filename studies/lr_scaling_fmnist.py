@@ -25,6 +25,12 @@ in the thesis. Batch 1024 makes 53 steps an epoch, 477 in all. A per-epoch warmu
 an epoch, so the thesis's 5- and 10-epoch warmups (1/18 and 1/9 of its run) become 1 and 2 epochs here
 (1/9 and 2/9). The pilots that chose batch 1024 at LR 1.6 are studies/pilots/. Report:
 docs/studies/lr_scaling.md; raw per-run values: docs/studies/lr_scaling.json.
+
+`lr_scaling_fmnist.py:thesis` is the thesis's own version (ResNet-50, ImageNet, 32 GPUs; Exps 4-9) as a
+Slurm job array (docs/studies.md):
+
+    python tools/make_sbatch.py --study=studies/lr_scaling_fmnist.py:thesis --nodes=8 --gpus_per_node=4 \
+        --backend=mwms --config.data.data_dir=/shared/imagenet --time=24:00:00 ...
 """
 
 DATA_DIR = "runs/fmnist55k"
@@ -49,13 +55,25 @@ def cell_overrides(replicas: int, warmup: str, warmup_epochs: int) -> list[str]:
             f"--config.schedule.warmup={warmup}", f"--config.schedule.warmup_epochs={warmup_epochs}"]
 
 
-def get_study():
+def comparisons(stepping: str, gradual: str, gradual_long: str, stepping_quarter_batch: str) -> list[dict]:
+    """The thesis's questions, by the cells' names: does a warmup help, does a longer one, does Exp 7 differ?"""
+    return [*({"cell": warmup, "against": "linear", "alternative": "greater"} for warmup in (stepping, gradual,
+                                                                                              gradual_long)),
+            {"cell": gradual_long, "against": gradual, "alternative": "two-sided"},  # Exp 9 against Exp 8
+            {"cell": stepping_quarter_batch, "against": stepping, "alternative": "two-sided"}]  # Exp 7 against 6
+
+
+def get_study(scale: str = ""):
+    if scale == "thesis":
+        return thesis_study()
+    if scale:
+        raise ValueError(f"lr_scaling_fmnist.py:{scale}: the versions are this file (no argument) and :thesis")
     cells = {name: {"overrides": cell_overrides(*spec),
                     "plot_values": {"global batch": spec[0] * REPLICA_BATCH,
                                     "warmup": "none" if spec[2] == 0 else f"{spec[1]} {spec[2]} ep"}}
              for name, spec in CELLS.items()}
-    cells["b32"]["plot_values"]["warmup"] = [v["plot_values"]["warmup"] for v in cells.values()  # every line starts at 1 replica
-                                          if v["plot_values"]["warmup"] != "none"] + ["none"]
+    cells["b32"]["plot_values"]["warmup"] = sorted({v["plot_values"]["warmup"] for v in cells.values()})  # every
+    # line starts at the 1-replica run
     return {
         "config": "configs/fmnist_resnet.py",
         "overrides": [f"--config.data.data_dir={DATA_DIR}", "--config.data.num_train_examples=55000",
@@ -68,13 +86,30 @@ def get_study():
         "cells": cells,
         "seeds": [0, 1, 2, 3, 4],
         "baseline": "b32",  # the thesis's 1-GPU run: does a scaled method lose top-1?
-        "comparisons": [
-            *({"cell": warmup, "against": "linear", "alternative": "greater"}  # does a warmup help?
-              for warmup in ("stepping1", "gradual1", "gradual2")),
-            {"cell": "gradual2", "against": "gradual1", "alternative": "two-sided"},  # Exp 9 against Exp 8
-            {"cell": "stepping1_b256", "against": "stepping1", "alternative": "two-sided"},  # Exp 7 against Exp 6
-        ],
+        "comparisons": comparisons("stepping1", "gradual1", "gradual2", "stepping1_b256"),
         "plot": {"x": "global batch", "series": "warmup", "x_label": "global batch (32 images a replica)",
                  "log_x": True},
         "title": "LR scaling and warmup, 32 images a replica: ResNet-8, Fashion-MNIST 55k, 9 epochs",
+    }
+
+
+def thesis_study():
+    """The thesis's own Exps 4-9 (configs/seed000_r50.py's methods): ResNet-50 on ImageNet, 32 GPUs x 128,
+    90 epochs, 5- and 10-epoch warmups. Every cell runs on the job's 32 GPUs (Exp 7 with 32 images a GPU);
+    the 1-GPU run is a job of its own (configs/seed000_r50.py's docstring)."""
+    stepping5 = ["--config.schedule.warmup=stepping", "--config.schedule.warmup_epochs=5"]
+    cells = {"naive": ["--config.optim.lr_per_256=0.00625"],  # LR 0.1 at batch 4096 (Exp 4)
+             "linear": [],  # LR 1.6 (Exp 5)
+             "stepping5": stepping5,  # Exp 6
+             "stepping5_32": [*stepping5, "--config.data.global_batch_size=1024"],  # Exp 7: 32 images a GPU
+             "gradual5": ["--config.schedule.warmup=gradual", "--config.schedule.warmup_epochs=5"],  # Exp 8
+             "gradual10": ["--config.schedule.warmup=gradual", "--config.schedule.warmup_epochs=10"]}  # Exp 9
+    return {
+        "config": "configs/seed000_r50.py:linear",
+        "overrides": [],  # data.data_dir: the job's (tools/make_sbatch.py --config.data.data_dir=...)
+        "cells": cells,
+        "seeds": [0, 1, 2, 3, 4],
+        "baseline": "linear",
+        "comparisons": comparisons("stepping5", "gradual5", "gradual10", "stepping5_32"),
+        "title": "LR scaling and warmup: ResNet-50, ImageNet, 32 GPUs (the LR-scaling thesis's Exps 4-9)",
     }

@@ -357,6 +357,18 @@ def test_a_study_whose_cells_need_different_worker_counts_is_refused_naming_them
     assert "different worker counts (b32: 1, b64: 1, b96: 4)" in err and "one job array per worker count" in err
 
 
+@pytest.mark.parametrize("study, nodes, runs", [("lr_scaling_fmnist.py", 8, "30 runs (6 cells x 5 seeds)"),
+                                                 ("assignment_households_fmnist.py", 4, "80 runs (16 cells x 5 seeds)")])
+def test_the_committed_studies_thesis_versions_are_job_arrays_at_the_theses_gpu_counts(tmp_path, capsys, study,
+                                                                                      nodes, runs):
+    """32 GPUs for the LR-scaling thesis, 16 workers for the data-assignment one: every cell validates there."""
+    text = generate(tmp_path, f"--study={os.path.join(REPO, 'studies', study)}:thesis", f"--nodes={nodes}",
+                    "--gpus_per_node=4", "--backend=mwms", f"--config.data.data_dir={REPO}")
+    assert f"a job array of {runs}" in capsys.readouterr().out
+    stem = study.removesuffix(".py")
+    assert f"#SBATCH --job-name=tfscale-study_{stem}_thesis-mwms" in sbatch_lines(text)
+
+
 def test_an_array_task_trains_its_run_with_the_jobs_own_overrides_last(tmp_path):
     study = tmp_path / "batch_study.py"
     study.write_text(STUDY)

@@ -139,10 +139,24 @@ def test_a_comparison_naming_a_missing_cell_or_alternative_is_refused(tmp_path):
         tfs_study.load_study(str(bad))
 
 
+def test_a_study_files_version_goes_to_get_study_and_one_without_versions_refuses_it(tmp_path):
+    versioned = tmp_path / "versioned.py"
+    versioned.write_text("def get_study(version=''):\n    return {'config': 'configs/smoke.py', 'seeds': [0], "
+                         "'baseline': version or 'small', 'cells': {version or 'small': []}}\n")
+    assert list(tfs_study.load_study(f"{versioned}:big")["cells"]) == ["big"]
+    assert list(tfs_study.load_study(str(versioned))["cells"]) == ["small"]
+    plain = tmp_path / "plain.py"
+    plain.write_text("def get_study():\n    return {'config': 'configs/smoke.py', 'seeds': [0], 'baseline': 'a', "
+                     "'cells': {'a': []}}\n")
+    with pytest.raises(ValueError, match=r"plain.py: get_study\(\) takes no argument, so .*plain.py:big names no"):
+        tfs_study.load_study(f"{plain}:big")
+
+
 def test_a_cell_with_its_own_worker_count_runs_through_the_launcher_with_it(tmp_path):
     study_file = tmp_path / "workers.py"
-    study_file.write_text("def get_study():\n    return {'config': 'configs/smoke.py', 'seeds': [0], 'baseline': 'one', "
-                          "'num_workers': 2, 'cells': {'one': {'overrides': [], 'num_workers': 1}, 'two': []}}\n")
+    study_file.write_text("def get_study():\n    return {'config': 'configs/smoke.py', 'seeds': [0], "
+                          "'baseline': 'one', 'num_workers': 2, "
+                          "'cells': {'one': {'overrides': [], 'num_workers': 1}, 'two': []}}\n")
     study = tfs_study.load_study(str(study_file))
     one, two = tfs_study.cells_of(study)
     assert tfs_study.train_command(study, one, 0, "d")[1:3] == ["-m", "tfscale.train"]

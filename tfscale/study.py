@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -61,8 +62,10 @@ class Cell:
     num_workers: int  # worker processes of each run: the cell's "num_workers", else the study's, else 1
 
 
-def load_study(path: str) -> dict:
-    """The study file's `get_study()`, checked: ValueError naming the file and the key."""
+def load_study(path_arg: str) -> dict:
+    """The study file's `get_study()` (`PATH:ARG`: `get_study(ARG)`, e.g. a study's thesis-scale version),
+    checked: ValueError naming the file and the key."""
+    path, _, arg = path_arg.partition(":")
     spec = importlib.util.spec_from_file_location("tfscale_study_file", path)
     if spec is None or not os.path.isfile(path):
         raise FileNotFoundError(f"study file {path} does not exist")
@@ -70,7 +73,11 @@ def load_study(path: str) -> dict:
     spec.loader.exec_module(module)
     if not hasattr(module, "get_study"):
         raise ValueError(f"study file {path} has no get_study()")
-    study = dict(module.get_study())
+    parameters = inspect.signature(module.get_study).parameters
+    if arg and not parameters:
+        raise ValueError(f"study file {path}: get_study() takes no argument, so {path_arg} names no version of it")
+    study = dict(module.get_study(arg) if arg else module.get_study())
+    path = path_arg  # the messages below name the version
     missing = [key for key in _REQUIRED if key not in study]
     if missing:
         raise ValueError(f"study file {path}: get_study() lacks {', '.join(missing)}")

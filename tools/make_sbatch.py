@@ -188,9 +188,9 @@ def check_config(cfg, nodes: int, tasks: int) -> None:
 
 
 def job_stem(args: argparse.Namespace) -> str:
-    """The default job name's and workdir's stem: the config's name, or study_<name> for a study."""
+    """The default job name's and workdir's stem: the config's name, or study_<name> for a study (both PATH[:ARG])."""
     if args.study:
-        return "study_" + os.path.splitext(os.path.basename(args.study))[0]
+        return "study_" + config_name(args.study)
     return config_name(args.config)
 
 
