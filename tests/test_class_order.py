@@ -20,8 +20,7 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, load_config, quiet_env
 
-from tfscale import engine, export
-from tfscale import io as tfio
+from tfscale import engine, errors, export
 from tfscale.data import convert, shard_dir
 
 SYNSETS = ("n00000000", "n00000001", "n00000002")  # make_photo_tree.py's class folder names
@@ -198,7 +197,7 @@ def test_a_run_and_an_export_whose_splits_disagree_on_class_order_are_refused(im
     tf.train.Checkpoint(model=engine.build_model(cfg), global_step=tf.Variable(1, dtype=tf.int64)).save(
         str(exported / "checkpoints" / "ckpt"))
     (exported / "config.json").write_text(json.dumps(cfg.to_dict()))
-    with pytest.raises(tfio.ManifestError) as refused:
+    with pytest.raises(errors.ManifestError) as refused:
         export.export(str(exported))
     assert str(refused.value) == expected and not os.path.exists(exported / "export")
 

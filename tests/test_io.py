@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tfscale import errors
 from tfscale import io as tfio
 
 
@@ -69,7 +70,7 @@ def test_manifests_current_name_first_then_legacy(tmp_path):
 def test_an_unusable_manifest_is_one_error_type_naming_the_file(tmp_path, text, problem):
     path = tmp_path / "manifest-validation.json"
     path.write_text(text)
-    with pytest.raises(tfio.ManifestError, match=f"{path}.*{problem}") as err:
+    with pytest.raises(errors.ManifestError, match=f"{path}.*{problem}") as err:
         tfio.read_manifest(str(tmp_path), "validation")
     assert isinstance(err.value, ValueError)  # callers' "bad input" handling catches it
 
@@ -78,7 +79,7 @@ def test_an_unusable_manifest_is_one_error_type_naming_the_file(tmp_path, text, 
 def test_a_manifest_cannot_name_a_file_outside_its_directory(tmp_path, name):
     path = tmp_path / "manifest-train.json"
     path.write_text(json.dumps({"shards": [{"name": "train-00000-of-00002"}, {"name": name}], "classes": ["a"]}))
-    with pytest.raises(tfio.ManifestError, match=f"manifest {path} lists shard {name!r}: shard names must be plain"):
+    with pytest.raises(errors.ManifestError, match=f"manifest {path} lists shard {name!r}: shard names must be plain"):
         tfio.read_manifest(str(tmp_path), "train")
 
 

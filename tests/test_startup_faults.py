@@ -5,7 +5,7 @@ Real processes on 127.0.0.1, each worker given its TF_CONFIG by the test as srun
 a worker that never starts (leader or not), a peer address whose port nobody listens on, this
 worker's port already in use, a host name that does not resolve; then the watchdog that backs up
 TensorFlow's own registration timeout, and `tfscale.launch` passing the code through.
-Exit code 69 is sysexits' EX_UNAVAILABLE (`distribute.EXIT_CLUSTER_UNAVAILABLE`), never 137, which
+Exit code 69 is sysexits' EX_UNAVAILABLE (`errors.EXIT_CLUSTER_UNAVAILABLE`), never 137, which
 reads as the out-of-memory killer.
 """
 
@@ -173,9 +173,9 @@ def test_watchdog_ends_a_hung_connect_with_exit_69(tmp_path):
 @pytest.mark.slow
 def test_launcher_exits_69_and_says_why():
     """Under tfscale.launch rank 1 never connects: rank 0's 69 is the job's code, and the launcher names it."""
-    from tfscale import distribute
+    from tfscale import errors
 
-    assert launch.EXIT_CLUSTER_UNAVAILABLE == distribute.EXIT_CLUSTER_UNAVAILABLE == EXIT_CLUSTER_UNAVAILABLE
+    assert errors.EXIT_CLUSTER_UNAVAILABLE == EXIT_CLUSTER_UNAVAILABLE  # the one definition, launcher and workers
     started = time.time()
     result = subprocess.run(
         [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--grace_period_s=2", "--",

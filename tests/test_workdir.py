@@ -14,7 +14,7 @@ import ml_collections
 import pytest
 from conftest import read_jsonl, small_file_system
 
-from tfscale import io, workdir
+from tfscale import errors, io, workdir
 from tfscale.config import ConfigError, base_config
 
 
@@ -180,7 +180,7 @@ def tiny_disk(tmp_path):
 def test_append_on_a_full_disk_keeps_whole_lines_and_names_the_path(tiny_disk):
     path = tiny_disk / "metrics.jsonl"
     line = json.dumps({"step": 1, "loss": 1.0, "pad": "x" * 900})
-    with pytest.raises(io.WriteError) as full:
+    with pytest.raises(errors.WriteError) as full:
         for _ in range(200):  # 180 KiB into 64 KiB
             io.append_line(str(path), line)
     assert f"could not write {path}: No space left on device" in str(full.value)
@@ -192,14 +192,14 @@ def test_append_on_a_full_disk_keeps_whole_lines_and_names_the_path(tiny_disk):
 def test_atomic_write_on_a_full_disk_keeps_the_old_file(tiny_disk):
     path = str(tiny_disk / "summary.json")
     io.write_json(path, {"steps": 10})
-    with pytest.raises(io.WriteError, match=f"could not write {path}: No space left on device"):
+    with pytest.raises(errors.WriteError, match=f"could not write {path}: No space left on device"):
         io.write_json(path, {"pad": "x" * 200_000})
     assert json.load(open(path)) == {"steps": 10} and os.listdir(tiny_disk) == ["summary.json"]
 
 
 def test_a_workdir_that_cannot_be_written_is_named(tmp_path):
     (tmp_path / "file").write_text("")  # a file where the workdir should be
-    with pytest.raises(io.WriteError, match=f"could not write {tmp_path}/file/lock.json: "):
+    with pytest.raises(errors.WriteError, match=f"could not write {tmp_path}/file/lock.json: "):
         workdir.claim(str(tmp_path / "file"), smoke_dict(), resume_cfg())
 
 

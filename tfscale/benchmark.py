@@ -30,7 +30,7 @@ all-reduce run alone on gradient-sized tensors; `update_and_other` = compute - b
 
 from __future__ import annotations
 
-from tfscale import logs
+from tfscale import cli, logs
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -374,7 +374,7 @@ def main(cfg: ml_collections.ConfigDict, workdir: str) -> None:
 
 def run():
     """Console-script entry point (`tfscale-bench`)."""
-    tfs_config.run_cli(main, workdir_help="Directory for benchmark.json (and a profiler trace).")
+    cli.run_cli(main, workdir_help="Directory for benchmark.json (and a profiler trace).")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ state file last (atomically), so a save killed part-way leaves the earlier check
 usable. A listed checkpoint that cannot be read (a file lost or cut short on the file system) is
 skipped with a warning and the next older one restored; when none can be, the run stops naming
 each file and why, never starting over in silence. A save that fails (disk full, quota) removes
-its partial files and raises `io.WriteError` naming the directory and the free space.
+its partial files and raises `errors.WriteError` naming the directory and the free space.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import io
+from tfscale.errors import CheckpointError
 
-
-class CheckpointError(RuntimeError):
-    """The workdir has checkpoints, and none of them can be restored; the message names each and why."""
 
 
 class Checkpoints:

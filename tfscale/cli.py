@@ -1,5 +1,9 @@
 """What every tfscale command-line tool does the same way: flags, absl.app, bad input as one line.
 
+Training-like commands (`--config=FILE[:ARG] --workdir=DIR [--config.x.y=v ...]`: train, benchmark,
+export's helpers) start with `run_cli(main, ...)`; a config error ends them with one FATAL line.
+Other tools:
+
     def _job(f: flags.FlagValues) -> None:
         do_the_work(f.input_dir, ...)          # raise ValueError/OSError for bad input
 
@@ -15,7 +19,12 @@ import importlib
 import sys
 from typing import Callable, Iterable
 
+import ml_collections
 from absl import app, flags, logging
+from ml_collections import config_flags
+
+from tfscale import config as tfs_config
+from tfscale import errors, logs
 
 # Bad input (a missing directory, a wrong count): the message says it all, a traceback adds nothing.
 INPUT_ERRORS = (ValueError, OSError)
@@ -58,3 +67,74 @@ def run_tool(job: Callable[[flags.FlagValues], object], *, define_flags: Callabl
         return 0
 
     app.run(main, argv=argv)
+
+
+# --- --config / --workdir commands ------------------------------------------------------------------
+
+
+def _innermost_config_error(err: BaseException | None) -> errors.ConfigError | None:
+    """The first ConfigError raised under `err` (absl and ml_collections wrap a recipe's own)."""
+    found = None
+    while err is not None:
+        found = err if isinstance(err, errors.ConfigError) else found
+        err = err.__context__
+    return found
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing for the CLIs, with a one-line error for a config key that does not exist
+    or a recipe that refuses its `:variant`."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.IllegalFlagValueError as err:
+        refused = _innermost_config_error(err)
+        if refused is None:
+            raise
+        sys.exit(errors.fatal("config", refused))
+    except (AttributeError, KeyError) as err:  # raised by the locked ConfigDict
+        message = err
+        while isinstance(message, BaseException) and message.args:  # unwrap AttributeError(KeyError(str))
+            message = message.args[0]
+        overrides = " ".join(a for a in argv[1:] if a.startswith("--config."))
+        sys.exit(f"FATAL unknown config key among {overrides}: {' '.join(str(message).split())}")
+
+
+
+# The keys this process's command line set (`--config.x.y=v`), recorded by run_cli: a count given there is
+# the user's statement about the data, which the data's own count never replaces (tfscale.data.info.adopt).
+_command_line_keys: frozenset[str] = frozenset()
+
+
+def command_line_keys() -> frozenset[str]:
+    """Dotted keys (`data.num_classes`) set by `--config.*` flags of this process's CLI; empty outside run_cli."""
+    return _command_line_keys
+
+
+def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_help: str) -> None:
+    """Runs a `--config=FILE[:ARG] --workdir=DIR [--config.x.y=v ...]` command: `main(config, workdir)`.
+
+    The flags are defined here, when a CLI starts, not at import: train, benchmark and the test
+    helpers all take `--config`/`--workdir`, and a process that imports several of them (pytest, a
+    study driver) would otherwise define the flags twice.
+    """
+    # The config flag reads sys.argv itself (to find the --config.* overrides), so resolve it there.
+    sys.argv = [tfs_config.resolve_config_arg(arg) for arg in sys.argv]
+    config = config_flags.DEFINE_config_file(
+        "config", None, "Config file (configs/*.py, or the name of a bundled recipe such as r50_32gpu).",
+        lock_config=True,
+    )
+    workdir = flags.DEFINE_string("workdir", None, workdir_help)
+    flags.mark_flags_as_required(["config", "workdir"])
+
+    def app_main(argv):
+        global _command_line_keys
+        logs.configure()  # absl's handler is in place now: make it the only one, TensorFlow's INFO off
+        _command_line_keys = frozenset(config_flags.get_override_values(flags.FLAGS["config"]))
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        try:
+            main(config.value, workdir.value)
+        except errors.ConfigError as err:
+            sys.exit(errors.fatal("config", err))
+
+    app.run(app_main, flags_parser=parse_flags)

@@ -19,22 +19,15 @@ import dataclasses
 import importlib.util
 import math
 import os
-import sys
-from typing import Callable
 
 import ml_collections
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-from tfscale import local_sgd, logs, schedules
+from tfscale import local_sgd, schedules
 from tfscale.data import assignment  # pure Python, like schedules: neither imports TensorFlow
+from tfscale.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A config value tfscale cannot run with; the message names the key and the value.
-
-    The CLIs print it as one line instead of a traceback: it is the user's to fix, not a crash.
-    """
 
 
 # Above this global batch plain SGD loses accuracy even with warmup (Goyal et al. 2017: 8k is the
@@ -610,33 +603,6 @@ def _check_per_replica_batch(data_cfg: ml_collections.ConfigDict, num_replicas: 
         )
 
 
-def _innermost_config_error(err: BaseException | None) -> ConfigError | None:
-    """The first ConfigError raised under `err` (absl and ml_collections wrap a recipe's own)."""
-    found = None
-    while err is not None:
-        found = err if isinstance(err, ConfigError) else found
-        err = err.__context__
-    return found
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing for the CLIs, with a one-line error for a config key that does not exist
-    or a recipe that refuses its `:variant`."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.IllegalFlagValueError as err:
-        refused = _innermost_config_error(err)
-        if refused is None:
-            raise
-        sys.exit(f"FATAL config error: {refused}")
-    except (AttributeError, KeyError) as err:  # raised by the locked ConfigDict
-        message = err
-        while isinstance(message, BaseException) and message.args:  # unwrap AttributeError(KeyError(str))
-            message = message.args[0]
-        overrides = " ".join(a for a in argv[1:] if a.startswith("--config."))
-        sys.exit(f"FATAL unknown config key among {overrides}: {' '.join(str(message).split())}")
-
-
 # Recipes shipped inside the package (configs/ in a checkout is a link to them).
 BUNDLED_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -670,43 +636,3 @@ def load_config_file(path: str, overrides=()) -> ml_collections.ConfigDict:
     except (AttributeError, KeyError, flags.Error) as err:  # unknown key, bad value, unreadable file
         raise ConfigError(f"cannot load {path} with {' '.join(overrides) or 'no overrides'}: {err}") from err
     return flag_values.config
-
-
-# The keys this process's command line set (`--config.x.y=v`), recorded by run_cli: a count given there is
-# the user's statement about the data, which the data's own count never replaces (tfscale.data.info.adopt).
-_command_line_keys: frozenset[str] = frozenset()
-
-
-def command_line_keys() -> frozenset[str]:
-    """Dotted keys (`data.num_classes`) set by `--config.*` flags of this process's CLI; empty outside run_cli."""
-    return _command_line_keys
-
-
-def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_help: str) -> None:
-    """Runs a `--config=FILE[:ARG] --workdir=DIR [--config.x.y=v ...]` command: `main(config, workdir)`.
-
-    The flags are defined here, when a CLI starts, not at import: train, benchmark and the test
-    helpers all take `--config`/`--workdir`, and a process that imports several of them (pytest, a
-    study driver) would otherwise define the flags twice.
-    """
-    # The config flag reads sys.argv itself (to find the --config.* overrides), so resolve it there.
-    sys.argv = [resolve_config_arg(arg) for arg in sys.argv]
-    config = config_flags.DEFINE_config_file(
-        "config", None, "Config file (configs/*.py, or the name of a bundled recipe such as r50_32gpu).",
-        lock_config=True,
-    )
-    workdir = flags.DEFINE_string("workdir", None, workdir_help)
-    flags.mark_flags_as_required(["config", "workdir"])
-
-    def app_main(argv):
-        global _command_line_keys
-        logs.configure()  # absl's handler is in place now: make it the only one, TensorFlow's INFO off
-        _command_line_keys = frozenset(config_flags.get_override_values(flags.FLAGS["config"]))
-        if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-        try:
-            main(config.value, workdir.value)
-        except ConfigError as err:
-            sys.exit(f"FATAL config error: {err}")
-
-    app.run(app_main, flags_parser=parse_flags)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from tfscale.config import ConfigError
+from tfscale.errors import ConfigError
 
 # `distribute.collective_impl` values; AUTO is resolved here, per worker.
 COLLECTIVE_IMPLEMENTATIONS = ("AUTO", "NCCL", "RING")

@@ -66,6 +66,7 @@ from absl import logging
 from tfscale import devices, local_sgd, logs
 from tfscale.collectives import Collectives, HorovodCollectives, InputFn, StrategyCollectives
 from tfscale.config import BACKENDS, HOROVOD_INSTALL_HINT
+from tfscale.errors import EXIT_CLUSTER_UNAVAILABLE, ClusterUnavailable
 # The Slurm side of reading the environment; re-exported, as callers know them as `distribute.<name>`.
 from tfscale.slurm_env import (CONCURRENT_SLURM_STEPS, PORTS_PER_SLURM_STEP, SLURM_PORT_RANGE,  # noqa: F401
                                expand_hostlist, expand_tasks_per_node, slurm_num_tasks, slurm_port_base,
@@ -326,7 +327,6 @@ def _resolve_tf_config(dist_cfg: ml_collections.ConfigDict, env: dict) -> dict |
 
 # --- hang protection -------------------------------------------------------------------------------
 
-EXIT_CLUSTER_UNAVAILABLE = 69  # sysexits EX_UNAVAILABLE: the cluster did not come up (docs/reliability.md)
 # How much later than `connect_timeout_s` the watchdog steps in when TensorFlow times out the
 # registration itself: the leader gives up at connect_timeout_s, the other workers about 5 s after it
 # (measured, TF 2.21), and then setup still probes the peers (at most PROBE_TIMEOUT_S).
@@ -335,21 +335,6 @@ PROBE_TIMEOUT_S = 2.0  # a peer whose port takes no TCP connection within this d
 # The watchdog asks this worker to exit 69 with this signal, then SIGKILLs it after WATCHDOG_KILL_AFTER_S.
 WATCHDOG_SIGNAL = signal.SIGUSR2
 WATCHDOG_KILL_AFTER_S = 5.0
-
-
-class ClusterUnavailable(SystemExit):
-    """The cluster did not come up: the process exits with EXIT_CLUSTER_UNAVAILABLE unless caught.
-
-    A SystemExit, so that `train`/`benchmark` end with code 69 whatever they catch as errors; the
-    message (logged when raised) names the workers, port or host names at fault.
-    """
-
-    def __init__(self, message: str):
-        super().__init__(EXIT_CLUSTER_UNAVAILABLE)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def _cluster_unavailable(message: str) -> ClusterUnavailable:

@@ -24,7 +24,7 @@ work; their speed means nothing there). Throughput runs only on a GPU.
 
 from __future__ import annotations
 
-from tfscale import logs
+from tfscale import errors, logs
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -118,7 +118,7 @@ def check_gpus(gpus: list, tasks_per_node: int) -> Check:
     names = [gpu_name(g) for g in gpus]
     try:
         pins = [devices.gpu_for_local_rank(len(gpus), rank) for rank in range(tasks_per_node)]
-    except tfs_config.ConfigError as err:
+    except errors.ConfigError as err:
         return Check("gpus", FAIL, f"{len(gpus)} GPU(s) for {tasks_per_node} tasks per node: {err}")
     mapping = ", ".join(f"rank {r} -> GPU {0 if p is None else p}" for r, p in enumerate(pins))
     return Check("gpus", PASS, f"{len(gpus)} x {names[0]}{'' if len(set(names)) == 1 else ' (mixed models!)'}; "
@@ -151,7 +151,7 @@ def check_horovod(gpus: list) -> Check:
         if importlib.util.find_spec("horovod") is None:
             return Check("horovod", NA, "Horovod is not installed (optional: `make horovod`; `make horovod-gpu` "
                                         "builds it with NCCL)")
-        return Check("horovod", FAIL, io.one_line(err))  # installed, but it does not load into this TensorFlow
+        return Check("horovod", FAIL, errors.one_line(err))  # installed, but it does not load into this TensorFlow
     built = [name for name, flag in (("NCCL", hvd.nccl_built()), ("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built()))
              if flag]
     detail = f"Horovod {importlib.metadata.version('horovod')} built with {', '.join(built) or 'nothing'}"
@@ -341,7 +341,7 @@ def run_checks(tasks_per_node: int = 0, collective_impl: str = "AUTO", only: lis
         try:
             check = run()
         except Exception as err:  # noqa: BLE001 - a check that crashes is the finding
-            check = Check(name, FAIL, f"{type(err).__name__}: {io.one_line(err)[:400]}")
+            check = Check(name, FAIL, f"{type(err).__name__}: {errors.one_line(err)[:400]}")
         print(check.line(), flush=True)
         checks.append(check)
     return checks

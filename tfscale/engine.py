@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfscale import cli, errors
 from tfscale import config as tfs_config
 from tfscale import distribute, launcher_death, local_sgd, models, optim
 from tfscale.data import info as data_info
@@ -56,7 +57,7 @@ def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Clus
     """
     launcher_death.follow_launcher()
     found = data_info.facts(cfg.data)  # counts still at ImageNet-1k's defaults become the data's own
-    data_info.adopt(cfg.data, found, chosen=tfs_config.command_line_keys())
+    data_info.adopt(cfg.data, found, chosen=cli.command_line_keys())
     tfs_config.validate(cfg)
     data_info.check_tfds_counts(cfg.data, found)
     cluster = distribute.setup(cfg.distribute)
@@ -85,7 +86,7 @@ def _check_xla_sync_bn_devices(cfg: ml_collections.ConfigDict, worker_devices) -
     if not (cfg.model.sync_bn and cfg.jit_compile and len(replicas) > 1):
         return
     if not all(tf.DeviceSpec.from_string(device).device_type == "GPU" for device in replicas):
-        raise tfs_config.ConfigError(
+        raise errors.ConfigError(
             f"config.model.sync_bn=True with config.jit_compile=True on replicas {', '.join(replicas)}: synchronized "
             "BatchNorm can all-reduce inside an XLA-compiled step only between GPUs. Set config.jit_compile=False "
             "or config.model.sync_bn=False")
@@ -316,7 +317,7 @@ def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, 
 def check_local_replicas(cluster) -> None:
     """Local SGD runs one replica per worker process (one GPU per task, or Horovod's one rank per GPU)."""
     if cluster.num_replicas != cluster.size:
-        raise tfs_config.ConfigError(
+        raise errors.ConfigError(
             f"config.distribute.sync='local_sgd' needs one replica per worker process, but {cluster.size} process(es) "
             f"run {cluster.num_replicas} replicas (backend {cluster.backend!r}): start one task per GPU (Slurm "
             "--ntasks-per-node = GPUs per node) with backend mwms, or use backend horovod")

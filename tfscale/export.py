@@ -35,7 +35,7 @@ to it and renamed into place. A single-process tool: run it once, not under tfsc
 
 from __future__ import annotations
 
-from tfscale import logs
+from tfscale import errors, logs
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -55,7 +55,7 @@ from absl import flags, logging
 
 import tfscale
 from tfscale import cli, ema, engine, init_from, io, models
-from tfscale.config import ConfigError
+from tfscale.errors import ConfigError
 from tfscale.data import info
 from tfscale.data import preprocess, shard_dir
 
@@ -195,7 +195,7 @@ def tfds_class_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
     """Output names of a run on a TFDS dataset: its label feature's names (TFDS labels are 0-based, as the outputs)."""
     try:
         names, source = info.tfds_class_names(data_cfg)
-    except (io.MissingDataError, ConfigError) as err:
+    except (errors.MissingDataError, ConfigError) as err:
         return ClassNames(None, None, f"none: {err}")
     if len(names) != data_cfg.num_classes:
         return ClassNames(None, None, f"none: {source} names {len(names)} classes, the model has {data_cfg.num_classes}")

@@ -30,7 +30,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import models  # noqa: F401  (registers ImageNormalization for .keras sources)
-from tfscale.config import ConfigError
+from tfscale.errors import ConfigError
 
 HEAD_LAYER = "logits"  # the classifier of every tfscale model (models._build_classifier)
 _KERAS_SUFFIX = ".keras"

@@ -22,9 +22,10 @@ import glob
 import hashlib
 import json
 import os
-import re
 import shutil
 from typing import Iterator
+
+from tfscale.errors import ManifestError, WriteError, one_line
 
 _TEMP_INFIX = ".tmp-"
 _CHUNK_BYTES = 8 << 20  # large sequential reads suit parallel file systems
@@ -38,16 +39,7 @@ _TFRECORD_FRAMING_BYTES = 8 + 4 + 4
 MANIFEST_GLOBS = (MANIFEST_FORMAT.format(split="*"), LEGACY_MANIFEST_FORMAT.format(split="*"))  # every split
 
 
-class ManifestError(ValueError):
-    """A manifest exists but cannot be used (not JSON, no list of shards); the message names the file."""
 
-
-class MissingDataError(FileNotFoundError):
-    """Data a run's config names is not there (a directory, a split, a listed shard, a prepared TFDS dataset)."""
-
-
-class WriteError(OSError):
-    """A run's file could not be written (disk full, quota, permissions); names the path and the free space."""
 
 
 def tfrecord_spans(path: str, *, open_file=open, size_bytes: int | None = None) -> tuple[list[tuple[int, int]], bool]:
@@ -73,11 +65,6 @@ def tfrecord_spans(path: str, *, open_file=open, size_bytes: int | None = None) 
             position += length
     return spans, True
 
-
-def one_line(err: BaseException) -> str:
-    """`err`'s message on one line; TensorFlow's start with the op's internal function name, dropped."""
-    text = " ".join(str(getattr(err, "message", err)).split())
-    return re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", text)
 
 
 def write_error(path: str, err: BaseException) -> WriteError:

@@ -31,19 +31,13 @@ from typing import Sequence
 
 from tfscale import devices
 from tfscale.config import HOROVOD_INSTALL_HINT
+from tfscale.errors import EXIT_CLUSTER_UNAVAILABLE, EXIT_USAGE, LaunchError
 from tfscale.supervise import SignalRecorder, run_workers, say
 
 LOOPBACK = "127.0.0.1"
 BACKENDS = ("mwms", "horovod")
 HOROVOD_MISSING = f"backend horovod needs Horovod: {HOROVOD_INSTALL_HINT}"
-USAGE_EXIT_CODE = 2  # argparse's convention for usage errors
-# A worker's exit code for "the cluster did not come up" (sysexits EX_UNAVAILABLE): the value of
-# tfscale.distribute.EXIT_CLUSTER_UNAVAILABLE, which the launcher cannot import (it imports TensorFlow).
-EXIT_CLUSTER_UNAVAILABLE = 69
 
-
-class LaunchError(RuntimeError):
-    """The job cannot be started (e.g. the backend's library is missing); nothing was launched."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,7 +316,7 @@ def main(argv: Sequence[str]) -> int:
         return 1
     except ValueError as err:  # arguments that contradict each other; nothing was started
         say(f"error: {err}")
-        return 2
+        return EXIT_USAGE
 
 
 def run() -> None:

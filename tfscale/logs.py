@@ -12,7 +12,7 @@ Three sources write to a job's stderr, and left alone they make it unreadable:
 The pieces, each called where the moment is right:
   quiet_tensorflow_banner(__name__)   top of a CLI module, before TensorFlow's import: C++ level 1
       (warnings and errors kept, INFO banner dropped) unless the user set TF_CPP_MIN_LOG_LEVEL;
-  configure()                         CLI start (config.run_cli): absl's handler is the one handler,
+  configure()                         CLI start (cli.run_cli): absl's handler is the one handler,
       the `tensorflow` logger propagates to it, TensorFlow's INFO lines are dropped;
   gate_workers(is_chief, ...)         end of distribute.setup, after the topology line: non-chief
       workers keep warnings and errors only, unless `distribute.log_all_ranks`.

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 
-from tfscale import io
+from tfscale import cli, errors, io
 from tfscale.plan_model import System, Workload, default_gpu_counts, predict
 
 # --- systems from files and measurements -----------------------------------------------------------------------
@@ -233,7 +233,6 @@ def run_plan(cfg, flags_) -> list[dict]:
 def main(argv) -> None:
     from absl import app, flags
 
-    from tfscale import config as tfs_config
     from tfscale import plan_published
 
     del argv
@@ -245,7 +244,7 @@ def main(argv) -> None:
         raise app.UsageError("--config is required (or --published)")
     try:
         run_plan(values.config, values)
-    except (ValueError, tfs_config.ConfigError) as err:
+    except (ValueError, errors.ConfigError) as err:
         fail(str(err))
 
 
@@ -276,7 +275,7 @@ def run():
 
     define_flags()
     sys.argv = [tfs_config.resolve_config_arg(arg) for arg in sys.argv]
-    app.run(main, flags_parser=tfs_config.parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Why a custom loop: Keras 3 `model.fit` fails under MultiWorkerMirroredStrategy (
 
 from __future__ import annotations
 
-from tfscale import logs
+from tfscale import cli, errors, logs
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -33,32 +33,6 @@ from tfscale import checkpoints, ema, engine, init_from, io, local_sgd, schedule
 from tfscale import config as tfs_config
 from tfscale import workdir as workdirs
 from tfscale.data import assignment, faults, pipeline
-
-# Exit codes (sysexits.h) that a batch script can act on; docs/reliability.md lists them all.
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM, checkpoint saved: rerun the same command (requeue) to resume
-EXIT_WORKDIR_BUSY = 73  # EX_CANTCREAT: another live job holds the workdir
-EXIT_WRITE_FAILED = 74  # EX_IOERR: a checkpoint, metrics or summary write failed (disk full, quota)
-EXIT_CONFIG = 1  # the run's config cannot run (or would change a resumed run's result): fix it
-EXIT_CHECKPOINT = 1  # no usable checkpoint in a workdir that has some
-EXIT_CORRUPT_DATA = faults.EXIT_CORRUPT_DATA  # 65 EX_DATAERR: a truncated shard, an image that does not decode
-EXIT_MISSING_DATA = faults.EXIT_MISSING_DATA  # 66 EX_NOINPUT: a data directory, split or shard that is not there
-
-
-class Preempted(Exception):
-    """SIGTERM arrived; a checkpoint of `step` is saved and the run can be resumed."""
-
-    def __init__(self, step: int):
-        super().__init__(f"preempted: checkpoint saved at step {step}; rerun the same command to resume")
-        self.step = step
-
-
-class ChiefRefused(RuntimeError):
-    """A non-chief worker's view of the chief refusing the workdir: same exit code, the reason is in rank 0's log."""
-
-    def __init__(self, exit_code: int):
-        super().__init__(f"the chief (rank 0) refused the workdir (exit code {exit_code}); its log says why")
-        self.exit_code = exit_code
-
 
 def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> dict:
     """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns the summary.
@@ -89,25 +63,14 @@ def _claim_workdir(cluster, workdir: str, cfg: ml_collections.ConfigDict) -> lis
     if cluster.is_chief:
         try:
             locks.append(workdirs.claim(workdir, cfg.to_dict(), cfg.resume))
-        except (workdirs.WorkdirBusy, tfs_config.ConfigError, io.WriteError) as err:
+        except (errors.WorkdirBusy, errors.ConfigError, errors.WriteError) as err:
             refusal = err
-    chief_code = cluster.gather_per_worker([float(exit_code(refusal)) if refusal else 0.0])[0][0]
+    chief_code = cluster.gather_per_worker([float(errors.exit_code(refusal)) if refusal else 0.0])[0][0]
     if refusal is not None:
         raise refusal
     if chief_code:
-        raise ChiefRefused(int(chief_code))
+        raise errors.ChiefRefused(int(chief_code))
     return locks
-
-
-def exit_code(err: BaseException) -> int:
-    """The process exit code for an error that ends a run (1 for anything unforeseen)."""
-    codes = ((Preempted, EXIT_PREEMPTED), (workdirs.WorkdirBusy, EXIT_WORKDIR_BUSY), (io.WriteError, EXIT_WRITE_FAILED),
-             (tfs_config.ConfigError, EXIT_CONFIG), (checkpoints.CheckpointError, EXIT_CHECKPOINT))
-    if isinstance(err, ChiefRefused):
-        return err.exit_code
-    if isinstance(err, faults.DATA_FAULTS):
-        return faults.exit_code(err)
-    return next((code for kind, code in codes if isinstance(err, kind)), 1)
 
 
 def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threading.Event) -> dict:
@@ -265,7 +228,7 @@ def _train_loop(run, model, loops: engine.Loops, ckpts, callback_list, run_eval,
         if workers_stopping and plan.in_agreement(step):  # every worker learns it at the same step: they save together
             ckpts.save(step)
             ckpts.close()
-            raise Preempted(step)
+            raise errors.Preempted(step)
         if plan.due(step, steps.checkpoint_every_steps):
             ckpts.save(step)
         if plan.due(step, steps.eval_every_steps) or step == steps.train_steps:
@@ -357,7 +320,7 @@ def _watch_sigterm() -> tuple[threading.Event, callable]:
 
     def on_sigterm(signum, frame):
         if not requested.is_set():
-            logging.warning("SIGTERM: saving a checkpoint after this step, then exiting with %d", EXIT_PREEMPTED)
+            logging.warning("SIGTERM: saving a checkpoint after this step, then exiting with %d", errors.EXIT_PREEMPTED)
         requested.set()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
@@ -370,17 +333,17 @@ def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> No
     try:
         with faults.fatal_on_data_faults():
             train_and_evaluate(cfg, workdir, extra_callbacks)
-    except Preempted as preempted:
-        logging.warning("%s; exit code %d", preempted, EXIT_PREEMPTED)
-        sys.exit(EXIT_PREEMPTED)
-    except (workdirs.WorkdirBusy, io.WriteError, checkpoints.CheckpointError, ChiefRefused) as err:
-        logging.error("%s; exit code %d", err, exit_code(err))  # the user's to act on: one line, no traceback
-        sys.exit(exit_code(err))
+    except errors.Preempted as preempted:
+        logging.warning("%s; exit code %d", preempted, errors.EXIT_PREEMPTED)
+        sys.exit(errors.EXIT_PREEMPTED)
+    except (errors.WorkdirBusy, errors.WriteError, errors.CheckpointError, errors.ChiefRefused) as err:
+        logging.error("%s; exit code %d", err, errors.exit_code(err))  # the user's to act on: one line, no traceback
+        sys.exit(errors.exit_code(err))
 
 
 def run():
     """Console-script entry point (`tfscale-train`)."""
-    tfs_config.run_cli(main, workdir_help="Directory for checkpoints, metrics and summaries.")
+    cli.run_cli(main, workdir_help="Directory for checkpoints, metrics and summaries.")
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ import time
 
 from absl import logging
 
-from tfscale import io
-from tfscale.config import ConfigError, base_config
+from tfscale import errors, io
+from tfscale.config import base_config
+from tfscale.errors import ConfigError, WorkdirBusy
 
 LOCK_NAME = "lock.json"
 CONFIG_NAME = "config.json"
@@ -62,9 +63,6 @@ SAFE_TO_CHANGE = (
     "schedule.decay_fractions",  # resolved into schedule.decay_epochs, which is compared
 )
 
-
-class WorkdirBusy(RuntimeError):
-    """Another live job holds the workdir; the message names its host and pid."""
 
 
 # ------------------------------------------------------------------------------------------ the lock
@@ -266,14 +264,14 @@ def record_config(workdir: str, cfg_dict: dict, changes: dict[str, tuple], force
 def claim(workdir: str, cfg_dict: dict, resume_cfg) -> Lock:
     """The chief's start in `workdir`: the lock, the config check, `config.json` (and its history).
 
-    Raises WorkdirBusy, ConfigError or io.WriteError (a workdir it cannot write) having written
+    Raises WorkdirBusy, ConfigError or errors.WriteError (a workdir it cannot write) having written
     nothing (and holding no lock).
     """
     try:
         os.makedirs(workdir, exist_ok=True)
         lock = acquire(workdir, resume_cfg.lock_stale_after_s)
     except OSError as err:
-        raise err if isinstance(err, io.WriteError) else io.write_error(os.path.join(workdir, LOCK_NAME), err) from err
+        raise err if isinstance(err, errors.WriteError) else io.write_error(os.path.join(workdir, LOCK_NAME), err) from err
     try:
         changes = check_config(workdir, cfg_dict, allow_changes=resume_cfg.allow_config_changes)
         forced = any(not is_safe_change(key) for key in changes)

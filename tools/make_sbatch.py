@@ -38,6 +38,8 @@ import shlex
 import subprocess
 import sys
 
+from tfscale import errors
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runs from a checkout too, without `pip install -e .`
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # validation imports TensorFlow; keep its chatter out
@@ -109,7 +111,7 @@ def load_config(path: str, overrides: list[str]):
 
     try:
         return tfs_config.load_config_file(path, overrides)
-    except tfs_config.ConfigError as err:
+    except errors.ConfigError as err:
         raise UsageError(str(err)) from err
 
 

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import make_sbatch  # noqa: E402
 
+from tfscale import errors
 from tfscale import config as tfs_config  # noqa: E402
 from tfscale import plan, plan_model, scaling  # noqa: E402
 
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.config:
             raise ValueError("--config is required (or --report)")
         scripts = write_jobs(args, overrides)
-    except (ValueError, tfs_config.ConfigError) as err:
+    except (ValueError, errors.ConfigError) as err:
         print(f"scaling_sweep: {err}", file=sys.stderr)
         return 2
     if args.submit:

@@ -29,8 +29,7 @@ import time
 import keras
 import numpy as np
 
-from tfscale import config as tfs_config
-from tfscale import checkpoints, distribute, engine, train
+from tfscale import checkpoints, cli, distribute, engine, train
 
 
 class DumpWeights(keras.callbacks.Callback):
@@ -145,4 +144,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--freeze_bn":
         sys.argv.pop(1)
         engine.build_model = build_model_with_frozen_bn
-    tfs_config.run_cli(main, workdir_help="workdir")
+    cli.run_cli(main, workdir_help="workdir")

@@ -20,7 +20,7 @@ method's result with gradient accumulation (`--config.optim.grad_accum_steps`), 
 per-replica limit (128) says when refused.
 """
 
-from tfscale.config import ConfigError
+from tfscale.errors import ConfigError
 from tfscale.configs import r50_32gpu
 
 METHODS = ("naive", "linear", "stepping5", "stepping5_32", "gradual5", "gradual10")

@@ -40,9 +40,9 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale import devices
-from tfscale.config import DALI_INSTALL_HINT, ConfigError
-from tfscale.data import assignment, dali_index, faults, pipeline, preprocess, shard_dir
+from tfscale import devices, errors
+from tfscale.config import DALI_INSTALL_HINT
+from tfscale.data import assignment, dali_index, pipeline, preprocess, shard_dir
 
 try:
     import nvidia.dali.tfrecord as tfrec
@@ -70,14 +70,14 @@ def decode_device(dali_decode: str, num_gpus: int, local_replicas: int = 1) -> s
         return "cpu"
     if num_gpus == 0:
         if dali_decode == "mixed":
-            raise ConfigError("config.data.dali_decode='mixed' decodes on a GPU and this process sees none: "
+            raise errors.ConfigError("config.data.dali_decode='mixed' decodes on a GPU and this process sees none: "
                               "use 'cpu' (or 'auto')")
         return "cpu"
     if local_replicas > 1:
         why = (f"this worker process feeds {local_replicas} replicas (config.distribute.backend='mirrored'?) from one "
                "DALI pipeline, whose GPU decoding would run on one of their GPUs")
         if dali_decode == "mixed":
-            raise ConfigError(f"config.data.dali_decode='mixed': {why}. Run one process per GPU "
+            raise errors.ConfigError(f"config.data.dali_decode='mixed': {why}. Run one process per GPU "
                               "(config.distribute.backend='mwms' or 'horovod'), or use config.data.dali_decode='cpu'")
         logging.warning("DALI decodes on the CPU (config.data.dali_decode='auto'): %s; for GPU decoding run one "
                         "process per GPU (config.distribute.backend='mwms' or 'horovod')", why)
@@ -107,7 +107,7 @@ def reader_files(data_cfg: ml_collections.ConfigDict, files: list[str], rank: in
     if assignment.shard_level(len(files), num_workers, data_cfg.assignment_level) == "file":
         return pipeline.worker_files(files, data_cfg, rank, num_workers), 0, 1
     if data_cfg.assignment not in _SUPPORTED_EXAMPLE_LEVEL:
-        raise ConfigError(
+        raise errors.ConfigError(
             f"config.data.assignment={data_cfg.assignment!r} assigns single examples here ({len(files)} files, "
             f"{num_workers} workers), which config.data.loader='dali' does not implement (only "
             f"{' and '.join(_SUPPORTED_EXAMPLE_LEVEL)}): write at least {num_workers} shards, or use loader='tfdata'")
@@ -126,9 +126,9 @@ def _indexes(data_cfg: ml_collections.ConfigDict, data_dir: str, files: list[str
     try:
         return dali_index.ensure_indexes(files, dali_index.index_dir(data_dir, data_cfg.dali_index_dir))
     except dali_index.TruncatedShard as err:
-        raise faults.CorruptDataError(f"corrupt TFRecord data: {err}") from err
+        raise errors.CorruptDataError(f"corrupt TFRecord data: {err}") from err
     except dali_index.DaliIndexError as err:
-        raise ConfigError(str(err)) from err
+        raise errors.ConfigError(str(err)) from err
 
 
 def _read(files: list[str], indexes: list[str], *, shard_id: int, num_shards: int, shuffle_buffer: int,

@@ -18,16 +18,11 @@ import os
 from absl import logging
 
 from tfscale import io as tfio
+from tfscale.errors import DaliIndexError, TruncatedShard
 
 INDEX_DIR_NAME = "dali-index"
 
 
-class DaliIndexError(OSError):
-    """An index cannot be written; the message names the file and the key that moves it."""
-
-
-class TruncatedShard(DaliIndexError):
-    """A shard's last record runs past the end of the file; the message names the shard."""
 
 
 def index_dir(data_dir: str, configured: str = "") -> str:

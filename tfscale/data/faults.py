@@ -26,22 +26,10 @@ from typing import Callable
 import tensorflow as tf
 from absl import logging
 
+from tfscale import errors
 from tfscale import io as tfio
+from tfscale.errors import CorruptDataError
 
-
-class CorruptDataError(ValueError):
-    """A shard or a record in it cannot be read; the message names the file (and record)."""
-
-
-# Exit codes (sysexits.h) of the data faults a run stops on; docs/reliability.md lists every exit code.
-EXIT_CORRUPT_DATA = 65  # EX_DATAERR: a shard cut short, a record that does not decode, a manifest that is not JSON
-EXIT_MISSING_DATA = 66  # EX_NOINPUT: the data directory, a split, a listed shard or the TFDS dataset is not there
-DATA_FAULTS = (CorruptDataError, tfio.ManifestError, tfio.MissingDataError)
-
-
-def exit_code(err: BaseException) -> int:
-    """The exit code of one of DATA_FAULTS."""
-    return EXIT_MISSING_DATA if isinstance(err, tfio.MissingDataError) else EXIT_CORRUPT_DATA
 
 
 @contextlib.contextmanager
@@ -50,9 +38,9 @@ def fatal_on_data_faults():
     code: the message names the file, so a traceback (TensorFlow's are long) would only bury it."""
     try:
         yield
-    except DATA_FAULTS as err:
-        code = exit_code(err)
-        print(f"FATAL data error: {err} (exit code {code})", file=sys.stderr, flush=True)
+    except errors.DATA_FAULTS as err:
+        code = errors.exit_code(err)
+        print(errors.fatal("data", err, code), file=sys.stderr, flush=True)
         sys.exit(code)
 
 
@@ -136,7 +124,7 @@ def _reason(path: str, index: int, prepare: Callable) -> str:
     try:
         prepare(record)
     except tf.errors.OpError as err:
-        return tfio.one_line(err)
+        return errors.one_line(err)
     return "decodes when read alone"
 
 
@@ -191,11 +179,11 @@ def explain(err: tf.errors.OpError, paths: list[str], prepare: Callable, what: s
     """
     if isinstance(err, tf.errors.DataLossError):
         bad = truncated_shards(paths) or [f"no truncated shard found among the {len(paths)} read"]
-        return CorruptDataError(f"corrupt TFRecord data ({tfio.one_line(err)}): {'; '.join(bad)}")
+        return CorruptDataError(f"corrupt TFRecord data ({errors.one_line(err)}): {'; '.join(bad)}")
     if not is_decode_error(err):
         return None
     bad = find_undecodable(paths, prepare)
     if not bad:
-        return CorruptDataError(f"a record did not decode ({tfio.one_line(err)}), yet a scan of the "
+        return CorruptDataError(f"a record did not decode ({errors.one_line(err)}), yet a scan of the "
                                 f"{len(paths)} shards read found none that fails again: {what}")
     return CorruptDataError(f"corrupt image: {'; '.join(bad)}. {what}")

@@ -23,8 +23,9 @@ from typing import NamedTuple
 import ml_collections
 from absl import logging
 
+from tfscale import errors
 from tfscale import io as tfio
-from tfscale.config import IMAGENET_1K_COUNTS, ConfigError
+from tfscale.config import IMAGENET_1K_COUNTS
 
 COUNT_KEYS = tuple(IMAGENET_1K_COUNTS)  # num_classes, num_train_examples, num_eval_examples
 
@@ -65,7 +66,7 @@ def _manifest_facts(data_cfg: ml_collections.ConfigDict) -> dict[str, Fact]:
 def adopt(data_cfg: ml_collections.ConfigDict, found: dict[str, Fact], chosen: frozenset[str] = frozenset()) -> None:
     """Sets each count of `data_cfg` still at ImageNet-1k's default to the data's, logging value and source.
 
-    `chosen`: dotted keys the user set on the command line (`config.command_line_keys()`); those stay.
+    `chosen`: dotted keys the user set on the command line (`cli.command_line_keys()`); those stay.
     """
     for key, fact in found.items():
         value = data_cfg[key]
@@ -86,10 +87,10 @@ def tfds_builder(data_cfg: ml_collections.ConfigDict):
     try:
         builder = tfds.builder(data_cfg.tfds_name, data_dir=data_cfg.data_dir)
     except tfds.core.registered.DatasetNotFoundError as err:
-        raise tfio.MissingDataError(f"config.data.tfds_name={data_cfg.tfds_name!r}: no such TFDS dataset, and none "
+        raise errors.MissingDataError(f"config.data.tfds_name={data_cfg.tfds_name!r}: no such TFDS dataset, and none "
                                 f"prepared under that name in config.data.data_dir={data_cfg.data_dir!r}") from err
     if not builder.is_prepared():
-        raise tfio.MissingDataError(
+        raise errors.MissingDataError(
             f"TFDS dataset {data_cfg.tfds_name!r} is not prepared in config.data.data_dir={data_cfg.data_dir!r}; "
             "tfscale never downloads: prepare it where the data are (docs/data.md 'ImageNet through TFDS') and point data_dir at it")
     return builder
@@ -99,18 +100,18 @@ def _split_info(builder, split: str, key: str):
     try:
         return builder.info.splits[split]
     except (KeyError, ValueError) as err:
-        raise ConfigError(f"config.data.{key}={split!r} is not a split of TFDS dataset {builder.info.full_name} "
+        raise errors.ConfigError(f"config.data.{key}={split!r} is not a split of TFDS dataset {builder.info.full_name} "
                           f"(it has {', '.join(sorted(builder.info.splits))})") from err
 
 
 def _label_feature(builder):
-    """The dataset's `label` ClassLabel feature; ConfigError when tfscale cannot train on the dataset."""
+    """The dataset's `label` ClassLabel feature; errors.ConfigError when tfscale cannot train on the dataset."""
     import tensorflow_datasets as tfds
 
     features = builder.info.features
     label = features["label"] if "label" in features else None
     if "image" not in features or not isinstance(label, tfds.features.ClassLabel):
-        raise ConfigError(f"TFDS dataset {builder.info.full_name} has features {sorted(features)}: tfscale trains "
+        raise errors.ConfigError(f"TFDS dataset {builder.info.full_name} has features {sorted(features)}: tfscale trains "
                           "on an 'image' feature with a ClassLabel 'label'")
     return label
 
@@ -131,7 +132,7 @@ def check_tfds_counts(data_cfg: ml_collections.ConfigDict, found: dict[str, Fact
         return
     for key, fact in found.items():
         if data_cfg[key] != fact.value:
-            raise ConfigError(f"config.data.{key}={data_cfg[key]} but {fact.source} says {fact.value}")
+            raise errors.ConfigError(f"config.data.{key}={data_cfg[key]} but {fact.source} says {fact.value}")
 
 
 def check_tfds_files(data_cfg: ml_collections.ConfigDict, num_workers: int) -> None:
@@ -142,7 +143,7 @@ def check_tfds_files(data_cfg: ml_collections.ConfigDict, num_workers: int) -> N
     num_files = len(_split_info(builder, data_cfg.train_split, "train_split").file_instructions)
     if num_files >= num_workers:
         return
-    raise ConfigError(
+    raise errors.ConfigError(
         f"config.data.train_split={data_cfg.train_split!r} of TFDS dataset {builder.info.full_name} in "
         f"{builder.data_dir} is {num_files} file(s) but this run has {num_workers} workers: TFDS splits training "
         f"input between workers by file, so a worker would read nothing (tfds refuses it). Prepare the dataset "

@@ -11,9 +11,9 @@ import os
 import ml_collections
 import tensorflow as tf
 
+from tfscale import errors
 from tfscale import io as tfio
-from tfscale.config import ConfigError
-from tfscale.data import faults, stage
+from tfscale.data import stage
 
 
 def list_shards(data_dir: str, split: str) -> list[str]:
@@ -24,12 +24,12 @@ def list_shards(data_dir: str, split: str) -> list[str]:
     number the files as in the full directory to pick its own (see `require_present`).
     """
     if not tf.io.gfile.isdir(data_dir):
-        raise tfio.MissingDataError(f"config.data.data_dir={data_dir!r} is not a directory")
+        raise errors.MissingDataError(f"config.data.data_dir={data_dir!r} is not a directory")
     staged = stage.read_shard_list(data_dir, split)
     files = ([os.path.join(data_dir, name) for name in staged] if staged
              else sorted(tf.io.gfile.glob(os.path.join(data_dir, f"{split}-*-of-*"))))
     if not files:
-        raise tfio.MissingDataError(f"no TFRecord shards named {split}-*-of-* in {data_dir}")
+        raise errors.MissingDataError(f"no TFRecord shards named {split}-*-of-* in {data_dir}")
     return files
 
 
@@ -47,7 +47,7 @@ def require_present(paths: list[str], data_dir: str, what: str) -> None:
         return
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
-        raise tfio.MissingDataError(
+        raise errors.MissingDataError(
             f"{len(missing)} of the {len(paths)} shards {what} are missing in the staged copy {data_dir}, e.g. "
             f"{os.path.basename(missing[0])}: it holds the train shards of the workers it was staged for, so "
             "tools/stage_data.py --num_workers/--worker_ranks/--assignment must match the training run")
@@ -72,16 +72,16 @@ def check_against_manifest(data_cfg: ml_collections.ConfigDict, data_dir: str, s
     ):
         if ours != theirs:
             # A config error (the run stops on a one-line FATAL naming key, value and manifest), not a traceback.
-            raise ConfigError(f"config.{key}={ours} but {where} says {theirs}")
+            raise errors.ConfigError(f"config.{key}={ours} but {where} says {theirs}")
     for shard in manifest["shards"]:
         path = os.path.join(data_dir, shard["name"])
         if not tf.io.gfile.exists(path):
             if allow_missing:
                 continue
-            raise tfio.MissingDataError(f"shard {path} listed in {where} is missing")
+            raise errors.MissingDataError(f"shard {path} listed in {where} is missing")
         size = tf.io.gfile.stat(path).length
         if size != shard["bytes"]:
-            raise faults.CorruptDataError(
+            raise errors.CorruptDataError(
                 f"shard {path} has {size} bytes but {where} says {shard['bytes']}: truncated or corrupt; re-convert it")
 
 
@@ -102,7 +102,7 @@ def check_same_classes(data_cfg: ml_collections.ConfigDict) -> None:
         return
     index = next(i for i, (a, b) in enumerate(zip(train_classes + [None], eval_classes + [None])) if a != b)
     train_name, eval_name = (repr(c[index]) if index < len(c) else "no class" for c in (train_classes, eval_classes))
-    raise tfio.ManifestError(
+    raise errors.ManifestError(
         f"the {evaluation} split does not have the classes of the {train} split: class index {index} is {eval_name} "
         f"in {paths[1]} but {train_name} in {paths[0]}, so eval would score predictions against the wrong classes. "
         f"Convert {evaluation} again with --class_order_from={data_cfg.data_dir}")

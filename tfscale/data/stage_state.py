@@ -20,6 +20,7 @@ import time
 from absl import logging
 
 from tfscale import io as tfio
+from tfscale.errors import StageError
 
 STATE_FILE = ".tfscale-staged.json"
 SHARD_LIST_FILE = ".tfscale-shards.json"  # {split: source shard names}: how workers number a partial copy
@@ -30,9 +31,6 @@ _LOCK_POLL_MAX_S = 0.1  # how late a waiter may notice the copier is done
 # Files written with tfio's atomic writes: their temporaries are ours to clean up.
 _ATOMICALLY_WRITTEN = (STATE_FILE, SHARD_LIST_FILE, *tfio.MANIFEST_GLOBS)
 
-
-class StageError(RuntimeError):
-    """Staging cannot go on: a bad source shard, too little space, a lock timeout."""
 
 
 # --------------------------------------------------------------------------------------- records
