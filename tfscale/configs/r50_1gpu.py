@@ -29,23 +29,30 @@ holds at float32 (`--config.data.global_batch_size=128`, the LR follows: 0.05).
 from tfscale.config import base_config, gpu_variant
 
 
-def get_config(variant=None):
+def imagenet_resnet50():
+    """The ImageNet ResNet-50 block every r50 recipe shares (Goyal et al.'s 90-epoch recipe at 256 images):
+    SGD with momentum 0.9, weight decay 1e-4, 0.1 per 256 images, / 10 at 30, 60 and 80 of 90 epochs."""
     c = base_config()
     c.model.name = "resnet50"
     c.data.image_size = 224
     c.data.num_classes = 1000  # ImageNet-1k; shards with a manifest (or TFDS info) of other data: their count, logged
     c.data.dataset = "tfrecord"
     c.data.global_batch_size = 256
-    c.data.max_per_replica_batch_size = 256  # one GPU
     c.optim.lr_per_256 = 0.1
     c.optim.momentum = 0.9
     c.optim.weight_decay = 1e-4
-    c.schedule.warmup = "none"
-    c.schedule.warmup_epochs = 0.0
     c.schedule.decay = "step"
     # /10 at epochs 30, 60 and 80 of 90, as fractions: `--config.train.epochs=N` moves them to the same share of N.
     c.schedule.decay_epochs = ()
     c.schedule.decay_fractions = (30 / 90, 60 / 90, 80 / 90)
     c.train.epochs = 90.0
+    return c
+
+
+def get_config(variant=None):
+    c = imagenet_resnet50()
+    c.data.max_per_replica_batch_size = 256  # one GPU
+    c.schedule.warmup = "none"
+    c.schedule.warmup_epochs = 0.0
     c.distribute.backend = "one_device"
     return gpu_variant(c, variant, "r50_1gpu")

@@ -29,29 +29,18 @@ training, real ImageNet TFRecords, NGC 20.06-tf1, Horovod, tf.data input, no DAL
 measures the scaling efficiency on your cluster.
 """
 
-from tfscale.config import base_config, gpu_variant
+from tfscale.config import gpu_variant
+from tfscale.configs import r50_1gpu
 
 
 def get_config(variant=None):
-    c = base_config()
-    c.model.name = "resnet50"
+    c = r50_1gpu.imagenet_resnet50()
     c.model.zero_init_residual = True
-    c.data.image_size = 224
-    c.data.num_classes = 1000  # ImageNet-1k; shards with a manifest (or TFDS info) of other data: their count, logged
-    c.data.dataset = "tfrecord"
-    c.data.global_batch_size = 4096  # 32 GPUs x 128
+    c.data.global_batch_size = 4096  # 32 GPUs x 128 -> lr 1.6
     c.data.max_per_replica_batch_size = 128
     c.optim.name = "sgd"
-    c.optim.lr_per_256 = 0.1  # -> lr 1.6
-    c.optim.momentum = 0.9
-    c.optim.weight_decay = 1e-4
     c.schedule.warmup = "gradual"
     c.schedule.warmup_epochs = 5.0
     c.schedule.warmup_init_lr = 0.1
-    c.schedule.decay = "step"
-    # /10 at epochs 30, 60 and 80 of 90, as fractions: `--config.train.epochs=N` moves them to the same share of N.
-    c.schedule.decay_epochs = ()
-    c.schedule.decay_fractions = (30 / 90, 60 / 90, 80 / 90)
-    c.train.epochs = 90.0
     c.distribute.backend = "mwms"
     return gpu_variant(c, variant, "r50_32gpu")

@@ -27,27 +27,16 @@ official/vision/configs/experiments/image_classification/imagenet_resnet50_gpu.y
 float16 with dynamic loss scaling at a global batch of 2048 on a mirrored strategy.
 """
 
-from tfscale.config import base_config, gpu_variant
+from tfscale.config import gpu_variant
+from tfscale.configs import r50_1gpu
 
 
 def get_config(variant=None):
-    c = base_config()
-    c.model.name = "resnet50"
-    c.data.image_size = 224
-    c.data.num_classes = 1000  # ImageNet-1k; shards with a manifest (or TFDS info) of other data: their count, logged
-    c.data.dataset = "tfrecord"
-    c.data.global_batch_size = 1024  # 128 per GPU
+    c = r50_1gpu.imagenet_resnet50()
+    c.data.global_batch_size = 1024  # 8 GPUs x 128 -> lr 0.4
     c.data.max_per_replica_batch_size = 128
-    c.optim.lr_per_256 = 0.1  # -> lr 0.4
-    c.optim.momentum = 0.9
-    c.optim.weight_decay = 1e-4
     c.schedule.warmup = "gradual"
     c.schedule.warmup_epochs = 5.0
     c.schedule.warmup_init_lr = 0.1
-    c.schedule.decay = "step"
-    # /10 at epochs 30, 60 and 80 of 90, as fractions: `--config.train.epochs=N` moves them to the same share of N.
-    c.schedule.decay_epochs = ()
-    c.schedule.decay_fractions = (30 / 90, 60 / 90, 80 / 90)
-    c.train.epochs = 90.0
     c.distribute.backend = "mirrored"
     return gpu_variant(c, variant, "r50_8gpu")

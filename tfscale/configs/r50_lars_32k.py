@@ -15,19 +15,15 @@ Written for 256 GPUs x 128 images; fewer replicas are refused unless the batch i
 """
 
 from tfscale.config import base_config
+from tfscale.configs import r50_1gpu
 
 
 def get_config():
-    c = base_config()
-    c.model.name = "resnet50"
-    c.data.image_size = 224
-    c.data.num_classes = 1000
-    c.data.dataset = "tfrecord"
+    c = r50_1gpu.imagenet_resnet50()
     c.data.global_batch_size = 32_768
     c.data.max_per_replica_batch_size = 128
     c.optim.name = "lars"
     c.optim.lr_per_256 = 0.2265625  # -> lr 29.0 at 32,768
-    c.optim.momentum = 0.9
     c.optim.weight_decay = 5e-5
     c.optim.lars_eta = 0.001
     c.optim.lars_epsilon = 0.0
@@ -36,6 +32,9 @@ def get_config():
     c.schedule.warmup_epochs = 5.0
     c.schedule.warmup_init_lr = 0.0
     c.schedule.decay = "polynomial"
+    # Polynomial decay runs from the warmup's end to the last step; the step decay's keys go back to
+    # base_config's defaults (unused here), so that the recipe's config.json is what it always was.
+    c.schedule.decay_epochs, c.schedule.decay_fractions = base_config().schedule.decay_epochs, ()
     c.schedule.poly_power = 2.0
     c.schedule.end_lr = 1e-4
     c.train.epochs = 72.0
