@@ -1,4 +1,4 @@
-"""tfscale.data.assignment: who reads which items, for every scheme and awkward sizes."""
+"""tfscale.data.input.assignment: who reads which items, for every scheme and awkward sizes."""
 
 import collections
 import itertools
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tfscale.data import assignment
+from tfscale.data.input import assignment
 
 # (N items, M workers): N < M, N not divisible by M, N divisible by M, single worker, empty.
 SIZES = [(0, 3), (1, 1), (1, 4), (3, 5), (5, 5), (6, 4), (7, 3), (10, 4), (17, 6), (64, 8), (100, 7), (1024, 48)]

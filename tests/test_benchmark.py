@@ -13,7 +13,7 @@ from conftest import REPO, load_config, run_cli
 
 from tfscale import baselines, benchmark
 from tfscale import config as tfs_config
-from tfscale.data import convert
+from tfscale.data.convert import convert
 
 
 @pytest.fixture(scope="module")

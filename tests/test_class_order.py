@@ -21,7 +21,8 @@ import tensorflow as tf
 from conftest import REPO, load_config, quiet_env
 
 from tfscale import engine, errors, export
-from tfscale.data import convert, shard_dir
+from tfscale.data.convert import convert
+from tfscale.data.input import shard_dir
 
 SYNSETS = ("n00000000", "n00000001", "n00000002")  # make_photo_tree.py's class folder names
 TRAIN_ORDER = SYNSETS[::-1]  # not sorted: the train split's order is what labels must follow

@@ -24,7 +24,7 @@ from conftest import REPO, frozen_bn_model_and_optimizer, load_config, read_json
 
 from tfscale import config as tfs_config  # noqa: E402
 from tfscale import distribute, engine, init_from, optim  # noqa: E402
-from tfscale.data import pipeline  # noqa: E402
+from tfscale.data.input import pipeline  # noqa: E402
 
 CLIP = 0.05  # the smoke model's gradient norm at initialisation is 0.2-0.4: every step below is clipped
 

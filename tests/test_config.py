@@ -273,7 +273,7 @@ def test_recipe_on_one_replica_is_refused_before_anything_is_built(tmp_path):
 
 def test_dispatch_names_equal_the_implementing_modules():
     from tfscale import models, optim
-    from tfscale.data import batch_augment, preprocess
+    from tfscale.data.input import batch_augment, preprocess
 
     assert tfs_config.MODEL_NAMES == tuple(models.MODELS)
     assert tfs_config.OPTIMIZERS == optim.OPTIMIZERS

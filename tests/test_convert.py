@@ -1,4 +1,4 @@
-"""tfscale.data.convert: image folders -> ImageNet-layout TFRecord shards + manifest.
+"""tfscale.data.convert.convert: image folders -> ImageNet-layout TFRecord shards + manifest.
 
 Images are crops of the two real photographs scikit-learn ships, written in every form ImageNet
 contains (baseline/progressive/CMYK/grayscale JPEG, PNG, a PNG named .JPEG, palette and RGBA PNG).
@@ -20,7 +20,7 @@ from PIL import Image
 from sklearn.datasets import load_sample_images
 
 from tfscale import io as tfio
-from tfscale.data import convert, encode, shards
+from tfscale.data.convert import convert, encode, shards
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(REPO, "tools", "tfrecord_convert.py")

@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, quiet_env
 
-from tfscale.data import arrays
+from tfscale.data.convert import arrays
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 

@@ -20,9 +20,10 @@ import tensorflow as tf
 
 from conftest import REPO, load_config, quiet_env, read_jsonl, run_cli, without_tf_import_notices
 from tfscale.config import ConfigError, validate
-from tfscale.data import dali_index, pipeline, preprocess, shard_dir
+from tfscale.data.convert import dali_index
+from tfscale.data.input import loaders, pipeline, preprocess, shard_dir
 
-dali = pytest.importorskip("tfscale.data.dali", reason="NVIDIA DALI is not installed: `make dali` (make test runs it)")
+dali = pytest.importorskip("tfscale.data.input.dali", reason="NVIDIA DALI is not installed: `make dali` (make test runs it)")
 
 NUM_PHOTOS = 45  # one image per class; odd, so shards and worker shares differ in size
 
@@ -58,7 +59,7 @@ def context(rank, workers):
 
 def train_labels(data_cfg, rank, workers, num_batches):
     """Labels of worker `rank`'s first `num_batches` training batches, and the first batch."""
-    iterator = iter(pipeline.train_input_fn(data_cfg, seed=0, start_step=0)(context(rank, workers)))
+    iterator = iter(loaders.train_input_fn(data_cfg, seed=0, start_step=0)(context(rank, workers)))
     batches = [next(iterator) for _ in range(num_batches)]
     return np.concatenate([labels.numpy() for _, labels in batches]), batches[0]
 
@@ -147,7 +148,7 @@ def test_disjoint_two_workers_see_each_example_once_per_epoch_like_tfdata(photo_
 
 def test_a_nodes_staged_copy_gets_its_own_indexes_and_serves_only_its_workers(photo_shards, tmp_path):
     """tfscale-stage copies worker 1's shards (of 2) without indexes: DALI writes them in the copy."""
-    from tfscale.data import stage
+    from tfscale.data.stage import stage
 
     dest = str(tmp_path / "staged")
     stage.stage(photo_shards["four"], dest, splits=("train",), readers=stage.Readers((1,), 2))
@@ -177,7 +178,7 @@ def test_decoded_pixels_agree_with_tfdata(photo_shards):
         images = {}
         for loader in ("dali", "tfdata"):
             data_cfg = photo_config(photo_shards["one"], loader, augment=augment, eval_split="validation")
-            ds = pipeline.eval_input_fn(data_cfg, seed=0, global_batch_size=5, num_steps=NUM_PHOTOS // 5)(context(0, 1))
+            ds = loaders.eval_input_fn(data_cfg, seed=0, global_batch_size=5, num_steps=NUM_PHOTOS // 5)(context(0, 1))
             images[loader] = np.concatenate([batch[0].numpy() for batch in ds]).astype(np.float32)
         difference = np.abs(images["dali"] - images["tfdata"])
         assert difference.mean() < 2.0, (augment, difference.mean())  # ~1.0 measured; another example: ~50
@@ -192,7 +193,7 @@ def test_eval_is_deterministic_and_counts_every_example_once(photo_shards):
     num_steps = -(-NUM_PHOTOS // 4)  # 12 steps of 4 (2 per worker) hold 48 slots for 45 examples
     seen = []
     for rank in (0, 1):
-        input_fn = pipeline.eval_input_fn(data_cfg, seed=0, global_batch_size=4, num_steps=num_steps)
+        input_fn = loaders.eval_input_fn(data_cfg, seed=0, global_batch_size=4, num_steps=num_steps)
         runs = [[tuple(t.numpy() for t in batch) for batch in input_fn(context(rank, 2))] for _ in range(2)]
         assert len(runs[0]) == num_steps
         for first, second in zip(*runs):  # same images, labels and masks, in the same order

@@ -248,7 +248,7 @@ def test_bfloat16_run_exports_float32(bfloat16_export):
     model = keras.models.load_model(os.path.join(output_dir, "model.keras"))
     assert {layer.dtype_policy.name for layer in model.layers} == {"float32"}
     # The Keras model on the pixels the SavedModel preprocesses (center crop + resize, inside the graph).
-    from tfscale.data import preprocess
+    from tfscale.data.input import preprocess
 
     cropped = np.stack([preprocess.eval_preprocess(tf.constant(e), image_size=32, augment="imagenet").numpy()
                         for e in encoded])

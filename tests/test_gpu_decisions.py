@@ -203,7 +203,7 @@ def test_input_threads_follow_slurm_cpus_per_task(env, affinity, cores, cap):
 
 
 def test_tf_data_and_dali_size_their_threads_from_slurm_cpus_per_task(monkeypatch):
-    from tfscale.data import pipeline
+    from tfscale.data.input import pipeline
 
     monkeypatch.setattr(devices, "affinity_cores", lambda: 64)  # the whole node, as an unbound task sees it
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
@@ -223,12 +223,12 @@ def test_tf_data_and_dali_size_their_threads_from_slurm_cpus_per_task(monkeypatc
     ("cpu", 1, 1, "cpu"), ("mixed", 1, 1, "mixed"),
 ])
 def test_dali_decodes_on_the_gpu_only_with_one_replica_per_process(dali_decode, num_gpus, local_replicas, device):
-    dali = pytest.importorskip("tfscale.data.dali", reason="DALI is not installed: run `make dali`")
+    dali = pytest.importorskip("tfscale.data.input.dali", reason="DALI is not installed: run `make dali`")
     assert dali.decode_device(dali_decode, num_gpus, local_replicas) == device
 
 
 def test_dali_mixed_decoding_for_several_local_replicas_is_refused_by_name():
-    dali = pytest.importorskip("tfscale.data.dali", reason="DALI is not installed: run `make dali`")
+    dali = pytest.importorskip("tfscale.data.input.dali", reason="DALI is not installed: run `make dali`")
     with pytest.raises(ConfigError, match=r"dali_decode='mixed': this worker process feeds 8 replicas "
                                           r"\(config.distribute.backend='mirrored'\?\).*'mwms' or 'horovod'"):
         dali.decode_device("mixed", 8, 8)

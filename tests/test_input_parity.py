@@ -16,7 +16,8 @@ from PIL import Image
 from scipy import stats
 
 from tfscale import baselines
-from tfscale.data import convert, preprocess, shard_dir
+from tfscale.data.convert import convert
+from tfscale.data.input import preprocess, shard_dir
 
 HEIGHT, WIDTH = 358, 508  # a typical ImageNet photo
 SIZE = 64

@@ -229,10 +229,10 @@ def training_command(script_path, env, python="python", select_run="") -> list[s
 
 
 def config_as_train_loads_it(train_args: list[str]) -> dict:
-    """`python -m tfscale.train ARGS`'s config: the same CLI parsing (tfscale.config.run_cli), then printed
+    """`python -m tfscale.train ARGS`'s config: the same CLI parsing (tfscale.cli.run_cli), then printed
     instead of trained (and not validated: the staged directory exists only on the nodes)."""
     assert train_args[:2] == ["-m", "tfscale.train"]
-    load = "import json; from tfscale import config; config.run_cli(lambda c, w: print(json.dumps(c.to_dict())), '')"
+    load = "import json; from tfscale import cli; cli.run_cli(lambda c, w: print(json.dumps(c.to_dict())), '')"
     result = subprocess.run([sys.executable, "-c", load, *train_args[2:]], cwd=REPO, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

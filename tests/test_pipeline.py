@@ -1,4 +1,4 @@
-"""tfscale.data.pipeline end to end: real JPEG shards -> per-worker tf.data input, as training reads it.
+"""tfscale.data.input.pipeline end to end: real JPEG shards -> per-worker tf.data input, as training reads it.
 
 Workers are not processes here: each worker's dataset is built by calling the input function with the
 `tf.distribute.InputContext` that `strategy.distribute_datasets_from_function` would hand it. Examples
@@ -23,7 +23,9 @@ from PIL import Image  # noqa: E402
 from conftest import classic_example  # noqa: E402
 
 from tfscale.config import base_config  # noqa: E402
-from tfscale.data import assignment, convert, faults, pipeline, shard_dir, stage  # noqa: E402
+from tfscale.data.convert import convert
+from tfscale.data.input import assignment, faults, pipeline, shard_dir
+from tfscale.data.stage import stage  # noqa: E402
 
 SIZE_PX = 32  # every image of the converted trees is SIZE_PX x SIZE_PX
 CLASSES = ("cherry", "apple", "banana")  # written unsorted on purpose: labels follow sorted names

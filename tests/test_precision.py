@@ -10,7 +10,7 @@ import tensorflow as tf
 from conftest import load_config
 
 from tfscale import distribute, engine, train
-from tfscale.data import pipeline
+from tfscale.data.input import pipeline
 
 
 def logged_losses(workdir):

@@ -1,4 +1,4 @@
-"""tfscale.data.preprocess: parsing and per-example / per-batch preprocessing, in tf.data graph mode."""
+"""tfscale.data.input.preprocess: parsing and per-example / per-batch preprocessing, in tf.data graph mode."""
 
 import io
 import os
@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from tfscale.data import batch_augment, preprocess  # noqa: E402
+from tfscale.data.input import batch_augment, preprocess  # noqa: E402
 
 S = 64  # output size used by most tests (small keeps them fast)
 

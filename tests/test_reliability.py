@@ -505,7 +505,7 @@ def test_corrupt_eval_image_always_stops_naming_it(shards_with_bad_images, tmp_p
 
 def test_corrupt_image_read_by_dali_stops_naming_shard_and_record(shards_with_bad_images, tmp_path):
     """DALI names the first image it cannot decode by byte offset; the run names every bad record, as with tf.data."""
-    pytest.importorskip("tfscale.data.dali", reason="NVIDIA DALI is not installed: `make dali` (make test runs it)")
+    pytest.importorskip("tfscale.data.input.dali", reason="NVIDIA DALI is not installed: `make dali` (make test runs it)")
     data = shards_with_bad_images
     shard = data["train_bad"] / "train-00001-of-00002"
     stopped = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["train_bad"]), "--config.data.loader=dali")

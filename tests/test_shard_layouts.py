@@ -21,7 +21,9 @@ from conftest import REPO, classic_example, run_cli
 
 from tfscale import io as tfio
 from tfscale.config import base_config
-from tfscale.data import convert, dali_index, pipeline, shard_dir, shards, stage
+from tfscale.data.convert import convert, dali_index, shards
+from tfscale.data.input import pipeline, shard_dir
+from tfscale.data.stage import stage
 
 SPLITS = ("train", "validation")
 GLOBS = {split: (f"{split}*", f"{split}-*", f"{split}-*-of-*") for split in SPLITS}

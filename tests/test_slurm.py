@@ -601,7 +601,7 @@ def write_image_tree(root, per_class: int, seed: int) -> None:
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """Shards written by tfscale's converter: train in 2 shards, validation in 1, with manifests."""
-    from tfscale.data import convert
+    from tfscale.data.convert import convert
 
     root = tmp_path_factory.mktemp("slurm_data")
     write_image_tree(str(root / "train_images"), TRAIN_PER_CLASS, seed=1)

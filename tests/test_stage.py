@@ -20,7 +20,8 @@ import pytest
 from conftest import REPO, small_file_system
 
 from tfscale import io as tfio
-from tfscale.data import assignment, stage, stage_copy
+from tfscale.data.input import assignment
+from tfscale.data.stage import stage, stage_copy
 SHARD_BYTES = 256 << 10
 
 
@@ -285,7 +286,7 @@ def node_ranks(node, tasks_per_node):
 
 
 def assigned_train_shards(num_files, ranks, num_workers, scheme, copies=1):
-    """Shard names the workers `ranks` read, straight from tfscale.data.assignment."""
+    """Shard names the workers `ranks` read, straight from tfscale.data.input.assignment."""
     indices = set()
     for rank in ranks:
         indices.update(assignment.assign(num_files, rank=rank, num_workers=num_workers, scheme=scheme, copies=copies))
@@ -604,7 +605,7 @@ def test_cli_logs_progress_without_a_terminal(src8, tmp_path):
 # the retries and their logs, the exit code and the files on disk are all real.
 _FAULT_SITECUSTOMIZE = '''
 import errno, json, os, time
-from tfscale.data import stage_copy
+from tfscale.data.stage import stage_copy
 
 _FAULT = json.loads(os.environ["TFSCALE_TEST_FAULT"])  # {"shard", "kind", "times", "bytes"}
 _real_read_chunk = stage_copy._read_chunk

@@ -13,7 +13,7 @@ from conftest import REPO, checkpoint_values, frozen_bn_model_and_optimizer, loa
 from tfscale import config as tfs_config
 from tfscale import distribute, engine, launch, local_sgd, train
 from tfscale.collectives import HorovodCollectives
-from tfscale.data import pipeline
+from tfscale.data.input import pipeline
 
 
 class RecordSteps(keras.callbacks.Callback):
@@ -69,6 +69,34 @@ def test_learning_rate_changes_every_step_inside_a_loop(loop_runs):
     # proves the weights saw them), and the row of step 20 logs lr(19) on the cosine.
     rows = {r["step"]: r for r in read_jsonl(os.path.join(loop_runs[10][0], "metrics.jsonl")) if "lr" in r}
     assert rows[20]["lr"] == pytest.approx(0.05 * (1 + np.cos(np.pi * 9 / 50)), rel=1e-6)
+
+
+def test_reduce_lr_on_plateau_scales_the_schedule_in_the_compiled_loop_and_a_resumed_run_keeps_it(tmp_path):
+    """Keras' ReduceLROnPlateau, watching the eval loss, halves the LR at the end of epoch 1 (nothing improves
+    by 100): the loop's later steps run at half of config.schedule, the step decay at step 50 included, and
+    a rerun after a stop at step 50 goes on at that half without the callback."""
+    overrides = ("--config.train.steps_per_loop=10", "--config.train.eval_every_epochs=1",
+                 "--config.schedule.warmup=none", "--config.schedule.decay=step", "--config.schedule.decay_epochs=(2.25,)")
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0, min_delta=100.0)
+    train.train_and_evaluate(load_config("smoke", *overrides), str(tmp_path), extra_callbacks=[plateau, stop_at_step(50)])
+    train.train_and_evaluate(load_config("smoke", *overrides), str(tmp_path))  # resumes at step 50
+    lr = {r["step"]: r["lr"] for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) if "lr" in r}
+    # 20 steps an epoch, LR 0.1, / 10 from step 45; each row logs the LR of its loop's last step.
+    assert lr == pytest.approx({10: 0.1, 20: 0.1, 30: 0.1, 40: 0.1, 50: 0.005, 60: 0.005}, rel=1e-6)
+
+
+def test_a_callback_setting_the_lr_where_the_schedule_is_zero_is_refused_by_name(tmp_path):
+    class SetLearningRate(keras.callbacks.Callback):  # at the end of epoch 1, where the LR has been 0 since step 20
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                self.model.optimizer.learning_rate = 0.05
+
+    cfg = load_config("smoke", "--config.train.steps_per_loop=10", "--config.schedule.warmup=none",
+                      "--config.schedule.decay=step", "--config.schedule.decay_epochs=(1,)",
+                      "--config.schedule.decay_factor=0.0")
+    with pytest.raises(tfs_config.ConfigError, match="a callback set the LR to 0.05 before step 40, where "
+                                                      "config.schedule's LR is 0"):
+        train.train_and_evaluate(cfg, str(tmp_path), extra_callbacks=[SetLearningRate()])
 
 
 def test_a_loop_ends_where_the_host_must_act():

@@ -17,7 +17,8 @@ import tensorflow as tf
 from conftest import REPO, load_config, run_cli
 
 from tfscale import config as tfs_config
-from tfscale.data import convert, info, pipeline, shard_dir
+from tfscale.data.convert import convert
+from tfscale.data.input import info, pipeline, shard_dir
 
 NUM_CLASSES = 10
 TRAIN_PER_CLASS, EVAL_PER_CLASS = 2, 1

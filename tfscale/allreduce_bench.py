@@ -114,27 +114,6 @@ def measure_all(cluster, model, bench_cfg) -> dict:
             "all_reduce": cluster.all_reduce}
 
 
-def run_benchmark(cfg, workdir: str) -> dict:
-    """Mode allreduce: every worker all-reduces each message size, then the model's gradients; the chief reports."""
-    from tfscale import benchmark, engine
-
-    run = engine.setup(cfg)
-    cluster = run.cluster
-    with engine.precision_policy(cfg.precision), cluster.strategy.scope():
-        model = engine.build_model(cfg)  # only its variables' shapes: what one step all-reduces
-    report = {"mode": "allreduce", "model": cfg.model.name, "backend": cluster.backend, "num_workers": cluster.size,
-              "num_replicas": cluster.num_replicas, **measure_all(cluster, model, cfg.benchmark),
-              "versions": benchmark.versions(), "host": benchmark.host_info()}
-    if cluster.is_chief:
-        benchmark.write_report(workdir, report, cfg)
-        print_report(report)
-        print("-" * 64)
-        row = report["model_gradients"]
-        print(f"model gradients ({cfg.model.name}, {row['size_bytes'] / 1e6:.1f} MB): busbw {row['busbw_GBps']:.3f} GB/s",
-              flush=True)
-    return report
-
-
 def print_report(report: dict) -> None:
     print(table(report["allreduce"], report["model_gradients"], header=(
         f"all-reduce over {report['num_replicas']} replicas ({report['num_workers']} workers, {report['backend']}: "

@@ -36,7 +36,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import engine, optim
-from tfscale.data import pipeline, preprocess, shard_dir
+from tfscale.data.input import loaders, pipeline, preprocess, shard_dir
 
 _KERAS_RESIZE_RATIO = 8 / 7  # resize to 256 before a 224 crop, as the classic ImageNet recipe
 
@@ -82,12 +82,12 @@ def tfscale_input(cfg: ml_collections.ConfigDict, loader: str = "tfdata") -> tf.
     """Exactly the training pipeline, for one worker, with `loader` reading the shards."""
     cfg = copy.deepcopy(cfg)
     cfg.data.loader = loader
-    return pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0)(tf.distribute.InputContext())
+    return loaders.train_input_fn(cfg.data, seed=cfg.seed, start_step=0)(tf.distribute.InputContext())
 
 
 def dali_installed() -> bool:
     try:
-        from tfscale.data import dali  # noqa: F401  (the import is the test)
+        from tfscale.data.input import dali  # noqa: F401  (the import is the test)
     except ImportError:
         return False
     return True
@@ -118,7 +118,7 @@ def model_garden_crop_window(image_shape) -> tf.Tensor:
     of the shorter side (`center_crop_image_v2`). min_object_covered is tfscale's 0.1 (legacy Model
     Garden ResNet and tf_cnn_benchmarks), so both pipelines draw from one distribution
     (tests/test_input_parity.py) and the benchmark compares pipelines, not recipes. Written out
-    here, not taken from tfscale.data.preprocess: it is the reference tfscale is tested against.
+    here, not taken from tfscale.data.input.preprocess: it is the reference tfscale is tested against.
     """
     begin, size, _ = tf.image.sample_distorted_bounding_box(
         image_shape, bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], dtype=tf.float32, shape=[1, 1, 4]),
@@ -205,7 +205,7 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
     result["tfscale_no_shuffle_vs_model_garden"] = round(
         result["tfscale_no_shuffle_images_per_sec"] / result["model_garden_images_per_sec"], 3)
     if with_dali:
-        from tfscale.data import dali
+        from tfscale.data.input import dali
 
         dali_rate, tfdata_rate = result["tfscale_dali_images_per_sec"], result["tfscale_images_per_sec"]
         result["tfscale_dali_vs_tfdata"] = round(dali_rate / tfdata_rate, 3)

@@ -50,7 +50,7 @@ from absl import logging
 from tfscale import callbacks as tfs_callbacks
 from tfscale import config as tfs_config
 from tfscale import engine, io
-from tfscale.data import faults, pipeline
+from tfscale.data.input import faults, loaders
 
 _RULE = "-" * 64
 _MAD_TO_STDDEV = 1.4826  # scales a median absolute deviation to a normal standard deviation
@@ -247,7 +247,7 @@ def run_step_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[di
     cluster = run.cluster
     with engine.precision_policy(cfg.precision):
         model, optimizer = engine.build_model_and_optimizer(cfg, cluster)
-        input_fn = pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=0, data_dir=run.data_dir)
+        input_fn = loaders.train_input_fn(cfg.data, seed=cfg.seed, start_step=0, data_dir=run.data_dir)
         fit_comparison = None
         if cfg.benchmark.compare_keras_fit:
             from tfscale import baselines  # model.fit and its second model only when asked for
@@ -333,9 +333,7 @@ def run_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     if cfg.benchmark.mode == "input":
         return run_input_benchmark(cfg, workdir)
     if cfg.benchmark.mode == "allreduce":
-        from tfscale import allreduce_bench
-
-        return allreduce_bench.run_benchmark(cfg, workdir)
+        return run_allreduce_benchmark(cfg, workdir)
     report, is_chief = run_step_benchmark(cfg, workdir)
     if is_chief:
         path = write_report(workdir, report, cfg)
@@ -349,6 +347,27 @@ def run_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
             allreduce_bench.print_report(report)
         print_step_summary(report)
         logging.info("benchmark report: %s", path)
+    return report
+
+
+def run_allreduce_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Mode allreduce: every worker all-reduces each message size, then the model's gradients; the chief reports."""
+    from tfscale import allreduce_bench
+
+    run = engine.setup(cfg)
+    cluster = run.cluster
+    with engine.precision_policy(cfg.precision), cluster.strategy.scope():
+        model = engine.build_model(cfg)  # only its variables' shapes: what one step all-reduces
+    report = {"mode": "allreduce", "model": cfg.model.name, "backend": cluster.backend, "num_workers": cluster.size,
+              "num_replicas": cluster.num_replicas, **allreduce_bench.measure_all(cluster, model, cfg.benchmark),
+              "versions": versions(), "host": host_info()}
+    if cluster.is_chief:
+        write_report(workdir, report, cfg)
+        allreduce_bench.print_report(report)
+        print("-" * 64)
+        row = report["model_gradients"]
+        print(f"model gradients ({cfg.model.name}, {row['size_bytes'] / 1e6:.1f} MB): busbw {row['busbw_GBps']:.3f} GB/s",
+              flush=True)
     return report
 
 

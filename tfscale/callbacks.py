@@ -24,33 +24,6 @@ from tfscale import config as tfs_config
 from tfscale import io, optim, schedules
 
 
-class LearningRatePerStep(keras.callbacks.Callback):
-    """The LR of every step is `schedule(global_step)`, set on device by the training loop.
-
-    Steps run several to a `tf.function` (`train.steps_per_loop`), so the host cannot set the LR
-    between them. At train begin this callback tabulates `schedule` for every step of the run, in
-    float32 as assigning the Python float would round it, and the loop calls `device_schedule(step)`
-    before each update (`engine.make_train_loop`). The step is the run's one checkpointed counter,
-    so a resumed run and every worker land on the same point of the curve. Unlike
-    `keras.callbacks.LearningRateScheduler` (a function of the epoch), the LR changes every step, as
-    warmups and cosine decays need; callbacks that set the LR themselves (ReduceLROnPlateau) are
-    overridden at the next step: the schedule is config.schedule.
-    """
-
-    def __init__(self, schedule: Callable[[int], float], total_steps: int):
-        super().__init__()
-        self.schedule = schedule
-        self.total_steps = total_steps
-        self._table = None
-
-    def on_train_begin(self, logs=None):
-        self._table = tf.constant([self.schedule(step) for step in range(self.total_steps)], tf.float32)
-
-    def device_schedule(self, step: tf.Tensor) -> tf.Tensor:
-        """The LR of global step `step` (a tensor): a lookup in the table, valid inside a tf.function."""
-        return tf.gather(self._table, tf.minimum(step, self.total_steps - 1))
-
-
 class MetricsLogger(keras.callbacks.Callback):
     """Chief-only progress: absl log lines, `metrics.jsonl` rows and TensorBoard scalars.
 

@@ -101,7 +101,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 # The keys this process's command line set (`--config.x.y=v`), recorded by run_cli: a count given there is
-# the user's statement about the data, which the data's own count never replaces (tfscale.data.info.adopt).
+# the user's statement about the data, which the data's own count never replaces (tfscale.data.input.info.adopt).
 _command_line_keys: frozenset[str] = frozenset()
 
 

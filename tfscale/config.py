@@ -25,7 +25,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from tfscale import local_sgd, schedules
-from tfscale.data import assignment  # pure Python, like schedules: neither imports TensorFlow
+from tfscale.data.input import assignment  # pure Python, like schedules: neither imports TensorFlow
 from tfscale.errors import ConfigError
 
 
@@ -46,7 +46,7 @@ AUTO_LABEL_OFFSET = {"tfrecord": 1, "tfds": 0, "synthetic": 0, "synthetic_learna
 _SYNTHETIC = ("synthetic", "synthetic_learnable")
 
 # ImageNet-1k's class and example counts: base_config's defaults for data.num_classes, num_train_examples and
-# num_eval_examples, the values a recipe leaves for the data to replace (tfscale.data.info.adopt).
+# num_eval_examples, the values a recipe leaves for the data to replace (tfscale.data.input.info.adopt).
 IMAGENET_1K_COUNTS = {"num_classes": 1000, "num_train_examples": 1_281_167, "num_eval_examples": 50_000}
 
 # Names the code dispatches on. They live here (not imported from the modules that implement them,
@@ -60,8 +60,8 @@ MODEL_NAMES = (  # the keys of tfscale.models.MODELS
     "cifar_resnet8", "cifar_resnet20", "cifar_resnet32", "cifar_resnet44", "cifar_resnet56", "cifar_resnet110",
 )
 OPTIMIZERS = ("sgd", "lars")  # tfscale.optim.OPTIMIZERS
-AUGMENTS = ("imagenet", "cifar", "none")  # tfscale.data.preprocess.AUGMENTS
-BATCH_AUGMENTS = ("none", "randaugment", "mixup", "cutmix")  # tfscale.data.batch_augment.BATCH_AUGMENTS
+AUGMENTS = ("imagenet", "cifar", "none")  # tfscale.data.input.preprocess.AUGMENTS
+BATCH_AUGMENTS = ("none", "randaugment", "mixup", "cutmix")  # tfscale.data.input.batch_augment.BATCH_AUGMENTS
 # Said wherever horovod is needed and missing (distribute.setup, the launcher).
 HOROVOD_INSTALL_HINT = "build it against this TensorFlow with `make horovod` (tools/install_horovod.sh; README 'Horovod')"
 BENCHMARK_MODES = ("train", "synthetic", "input", "allreduce")

@@ -47,7 +47,7 @@ from absl import app, flags, logging
 
 from tfscale import config as tfs_config
 from tfscale import allreduce_bench, benchmark, devices, distribute, engine, io
-from tfscale.data import pipeline
+from tfscale.data.input import loaders
 
 PASS, FAIL, NA = "pass", "fail", "n/a"
 CHECK_NAMES = ("gpus", "memory-growth", "all-reduce", "horovod", "xla-step", "float16-step", "dali", "gpu-bandwidth",
@@ -177,7 +177,7 @@ def run_resnet50_steps(cluster, precision: str, image_size: int, batch: int, num
     keras.backend.clear_session()  # the previous check's model and optimizer: their GPU memory is reused
     with engine.precision_policy(precision):
         model, optimizer = engine.build_model_and_optimizer(cfg, cluster)
-        input_fn = pipeline.train_input_fn(cfg.data, seed=0, start_step=0, data_dir="")
+        input_fn = loaders.train_input_fn(cfg.data, seed=0, start_step=0, data_dir="")
         batch_on_device = next(iter(cluster.distribute_dataset(input_fn)))
         step = benchmark.make_batch_step(cfg, cluster, model, optimizer)
         losses, seconds = [], []

@@ -32,9 +32,9 @@ from absl import logging
 
 from tfscale import cli, errors
 from tfscale import config as tfs_config
-from tfscale import distribute, launcher_death, local_sgd, models, optim
-from tfscale.data import info as data_info
-from tfscale.data import pipeline, shard_dir
+from tfscale import distribute, launcher_death, local_sgd, models, optim, schedules
+from tfscale.data.input import info as data_info
+from tfscale.data.input import loaders, shard_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +243,7 @@ def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learni
     `train_loop(iterator, stop_requested, num_steps) -> (losses, replicas stopping)`: `losses[i]` is
     step i's mean loss over the global batch; the stop count (replicas whose worker was asked to
     stop) is the last step's. Before each step the optimizer's LR is set to `learning_rate(step)` (a tensor function
-    of the run's step counter, e.g. `callbacks.LearningRatePerStep.device_schedule`; None keeps the
+    of the run's step counter: a `LearningRate`; None keeps the
     LR), and after it `step` is advanced: the LR changes every step although the host sees only the
     loop's end. This is Orbit's `steps_per_loop` / Keras' `steps_per_execution`.
     """
@@ -370,12 +370,65 @@ def sync_counters(cluster, plan: local_sgd.SyncPlan) -> dict[str, tf.Variable]:
                 for name in ("world_syncs", "household_syncs")}
 
 
+class LearningRate:
+    """The LR the compiled loop sets before every step: `schedule` (config.schedule) as a float32 table on
+    device, indexed by the run's step counter, times `scale`.
+
+    `scale` is 1 until a Keras callback sets the optimizer's LR between two loops (ReduceLROnPlateau,
+    at an epoch's end): the loop's next start finds the LR changed (`follow_callbacks`) and scales the
+    schedule by the callback's factor from there on, so the warmup or decay goes on from the LR the
+    callback chose. It needs no checkpoint entry: the optimizer's LR variable is saved with the
+    optimizer, so a resumed run reads the scale back from it (`resume`). Every worker sees the same
+    metrics, runs the same callbacks and so takes the same scale.
+    """
+
+    def __init__(self, schedule: schedules.Schedule, optimizer, cluster):
+        self.schedule, self.optimizer = schedule, optimizer
+        self._table = tf.constant(schedule.table(), tf.float32)
+        with cluster.strategy.scope():
+            self.scale = tf.Variable(1.0, dtype=tf.float32, trainable=False, name="lr_scale")
+        self._set_by_loop = None  # the LR the last loop left in the optimizer; None before this process's first
+
+    def __call__(self, step: tf.Tensor) -> tf.Tensor:
+        """The LR of global step `step` (a tensor), inside the compiled loop."""
+        return tf.gather(self._table, tf.minimum(step, self.schedule.total_steps - 1)) * self.scale
+
+    def resume(self, start_step: int) -> None:
+        """After a restore at `start_step`: the scale a callback had set, from the LR the optimizer saved."""
+        scheduled = float(np.float32(self.schedule(start_step - 1))) if start_step > 0 else 0.0  # as tabulated
+        if scheduled > 0:
+            self.scale.assign(float(self.optimizer.learning_rate.numpy()) / scheduled)  # exactly 1 if no callback
+            self.loop_ended()
+
+    def loop_ended(self) -> None:
+        """Call right after each loop, before the callbacks see it."""
+        self._set_by_loop = float(self.optimizer.learning_rate.numpy())
+
+    def follow_callbacks(self, step: int) -> None:
+        """Before the loop starting at `step`: a callback that changed the LR scales the schedule from here on."""
+        if self._set_by_loop is None:
+            return
+        now = float(self.optimizer.learning_rate.numpy())
+        if now == self._set_by_loop:
+            return
+        if self._set_by_loop == 0.0:
+            raise errors.ConfigError(
+                f"a callback set the LR to {now:g} before step {step}, where config.schedule's LR is 0: a scale of "
+                "the schedule cannot follow it; change config.schedule (e.g. schedule.warmup_init_lr) instead")
+        factor = now / self._set_by_loop
+        self.scale.assign(float(self.scale.numpy()) * factor)
+        self._set_by_loop = now
+        logging.info("a callback set the LR to %g before step %d: config.schedule is scaled by %g from here on "
+                     "(x%g in all)", now, step, factor, float(self.scale.numpy()))
+
+
 class Loops:
     """The compiled loops of a run and local SGD's syncs between them (tfscale.local_sgd decides when)."""
 
-    def __init__(self, run: Run, plan: local_sgd.SyncPlan, model, optimizer, step, learning_rate, counts):
+    def __init__(self, run: Run, plan: local_sgd.SyncPlan, model, optimizer, step, learning_rate: LearningRate,
+                 counts):
         cfg, cluster = run.cfg, run.cluster
-        self.plan, self.counts = plan, counts
+        self.plan, self.counts, self.learning_rate = plan, counts, learning_rate
         self.synchronous = make_train_loop(cfg, cluster, model, optimizer, step=step, learning_rate=learning_rate)
         if not plan.local:
             return
@@ -470,7 +523,7 @@ def train_dataset(run: Run, start_step: int, skipped_images: tf.Variable | None 
     `skipped_images` counts this worker's undecodable records (data.skip_corrupt_images)."""
     cfg = run.cfg
     return run.cluster.distribute_dataset(
-        pipeline.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step, data_dir=run.data_dir,
+        loaders.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step, data_dir=run.data_dir,
                                 skipped_images=skipped_images)
     )
 
@@ -479,6 +532,6 @@ def eval_dataset(run: Run):
     """The whole eval set once, in padded batches whose padding is masked out of the metrics."""
     cfg, steps = run.cfg, run.steps
     return run.cluster.distribute_dataset(
-        pipeline.eval_input_fn(cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size,
+        loaders.eval_input_fn(cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size,
                                num_steps=steps.eval_steps, data_dir=run.data_dir)
     )

@@ -56,8 +56,8 @@ from absl import flags, logging
 import tfscale
 from tfscale import cli, ema, engine, init_from, io, models
 from tfscale.errors import ConfigError
-from tfscale.data import info
-from tfscale.data import preprocess, shard_dir
+from tfscale.data.input import info
+from tfscale.data.input import preprocess, shard_dir
 
 SIGNATURE = "serving_default"
 KERAS_FILE = "model.keras"
@@ -211,7 +211,7 @@ def serving_function(model: keras.Model, data_cfg: ml_collections.ConfigDict, na
     top_k = min(_TOP_K, data_cfg.num_classes)
 
     def preprocess_one(encoded):
-        # Exactly what the eval input pipeline does to each example (data/pipeline.py eval_input_fn).
+        # Exactly what the eval input pipeline does to each example (data/input/pipeline.py eval_input_fn).
         return preprocess.eval_preprocess(
             encoded, image_size=image_size, augment=data_cfg.augment, crop_fraction=data_cfg.eval_crop_fraction
         )
@@ -294,7 +294,7 @@ def export_info(run: init_from.RestoredRun, workdir: str, output_dir: str, names
         "class_texts": names.texts,
         "class_names_source": names.source,
         "preprocessing": {
-            "function": "tfscale.data.preprocess.eval_preprocess (inside the SavedModel)",
+            "function": "tfscale.data.input.preprocess.eval_preprocess (inside the SavedModel)",
             "image_size": cfg.data.image_size, "augment": cfg.data.augment,
             "eval_crop_fraction": cfg.data.eval_crop_fraction,
             **({"note": f"config.data.dataset={cfg.data.dataset!r}: training generated pixels directly, "

@@ -7,7 +7,7 @@ one; a killed writer leaves only its dot-file, which no shard glob (`train*`, `t
 TFRecord framing: `tfrecord_spans` walks a file's record headers (the converter's resume check, the
 DALI index files, naming a truncated shard).
 
-Manifests: `manifest-{split}.json`, written by tfscale.data.convert next to the shards it describes
+Manifests: `manifest-{split}.json`, written by tfscale.data.convert.convert next to the shards it describes
 (`{split}-manifest.json` in older versions: still read, never written). Reading them happens here
 and only here, with one error type (`ManifestError`) that names the file.
 
@@ -182,7 +182,7 @@ def file_sha256(path: str) -> str:
 
 
 def manifest_path(data_dir: str, split: str) -> str:
-    """Where tfscale.data.convert writes the manifest of `split`."""
+    """Where tfscale.data.convert.convert writes the manifest of `split`."""
     return os.path.join(data_dir, MANIFEST_FORMAT.format(split=split))
 
 

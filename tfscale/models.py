@@ -37,6 +37,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import keras
+import numpy as np
 from keras import layers, ops
 
 if TYPE_CHECKING:
@@ -430,3 +431,13 @@ def multiply_adds_per_image(layer) -> int:
                          "build the model with a fixed input_shape to count FLOPs")
     # Conv2D kernel is (kh, kw, in_channels / groups, out_channels); Dense kernel is (in, out).
     return int(math.prod(layer.kernel.shape) * math.prod(positions_shape))
+
+
+def layer_costs(model) -> list[tuple[int, int]]:
+    """(gradient bytes, forward FLOPs per image) of each layer of a Keras model that has trainable weights."""
+    costs = []
+    for layer in model.layers:
+        size = sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in layer.trainable_weights)
+        if size:
+            costs.append((int(size), 2 * multiply_adds_per_image(layer)))
+    return costs

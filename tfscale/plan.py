@@ -81,21 +81,7 @@ def model_layers(cfg) -> tuple[list[tuple[int, int]], int]:
 
     model = models.create_from_config(cfg)
     frozen = sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in model.non_trainable_weights)
-    return keras_layers(model), int(frozen)
-
-
-def keras_layers(model) -> list[tuple[int, int]]:
-    """(gradient bytes, forward FLOPs per image) of each layer of a Keras model that has trainable weights."""
-    import numpy as np
-
-    from tfscale import models
-
-    costs = []
-    for layer in model.layers:
-        size = sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in layer.trainable_weights)
-        if size:
-            costs.append((int(size), 2 * models.multiply_adds_per_image(layer)))
-    return costs
+    return models.layer_costs(model), int(frozen)
 
 
 # --- output --------------------------------------------------------------------------------------------------

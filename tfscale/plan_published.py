@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import statistics
 
-from tfscale import plan, plan_model
+from tfscale import plan_model
 
 # NCCL's constants for links it cannot measure (NVIDIA/nccl 5067397c): src/graph/topo.h PCI_BW "PCI Gen3 x16"
 # and NET_BW "100Gbit", in GB/s; src/graph/tuning.cc hwLatencies, Ring / Simple protocol, in microseconds.
@@ -130,7 +130,7 @@ def model_layers(name: str) -> tuple[tuple[int, int], ...]:
         "vgg16": lambda: keras.applications.VGG16(weights=None),
     }
     model = builders[name]() if name in builders else models.create(name, num_classes=1000, input_shape=(224, 224, 3))
-    return tuple(plan.keras_layers(model))
+    return tuple(models.layer_costs(model))
 
 
 # Each system's one calibration run, (model, batch per GPU, GPUs): its first multi-node point of a middle

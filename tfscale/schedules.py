@@ -1,8 +1,9 @@
 """Learning-rate schedules as pure functions of the global step.
 
-`make_schedule(cfg, ...)` returns `lr(step) -> float`. Because the LR depends on nothing but the global
-step, a run resumed from a checkpoint and every worker of a multi-node job compute the same curve; the
-Keras callback that applies it keeps no state of its own. This module imports neither TensorFlow nor
+`make_schedule(cfg, ...)` returns a `Schedule`: `schedule(step) -> float`, and the float32 `table()` of
+every step of the run that the compiled training loop reads on device (engine.LearningRate). Because
+the LR depends on nothing but the global step, a run resumed from a checkpoint and every worker of a
+multi-node job compute the same curve. This module imports neither TensorFlow nor
 Keras, so it is cheap to import (config validation uses `check`) and testable in plain Python.
 
 Time is measured in global steps (optimizer updates). Durations are configured in epochs and turned into
@@ -35,6 +36,7 @@ Decays (DECAYS): constant, step (He et al. 2016 / Goyal et al. 2017), cosine (Lo
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import math
 from typing import Callable, Sequence
@@ -255,9 +257,24 @@ def _decay_fn(schedule_cfg, *, base_lr: float, steps_per_epoch: int, warmup_step
     raise ValueError(_unknown("decay", name, DECAYS))
 
 
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """config.schedule for one run of `total_steps` steps: the LR of a global step, as a function and a table."""
+
+    lr_at: Callable[[int], float]
+    total_steps: int
+
+    def __call__(self, step: int) -> float:
+        return self.lr_at(step)
+
+    def table(self) -> list[float]:
+        """The LR of every step of the run, in step order: what the loop indexes with the step counter."""
+        return [self.lr_at(step) for step in range(self.total_steps)]
+
+
 def make_schedule(schedule_cfg, *, base_lr: float, steps_per_epoch: int, total_steps: int,
-                  num_replicas: int = 1) -> Callable[[int], float]:
-    """Returns `lr(global_step) -> float` for `schedule_cfg` (config.schedule).
+                  num_replicas: int = 1) -> Schedule:
+    """Returns the `Schedule` (`lr(global_step) -> float`) of `schedule_cfg` (config.schedule).
 
     base_lr: the peak LR after warmup (usually config.optim.lr = lr_per_256 * global_batch_size / 256).
     steps_per_epoch, total_steps: from `config.to_steps` (train batches drop the remainder).
@@ -290,7 +307,7 @@ def make_schedule(schedule_cfg, *, base_lr: float, steps_per_epoch: int, total_s
             return float(warmup(step))
         return float(decay(step))
 
-    return lr_at
+    return Schedule(lr_at, int(total_steps))
 
 
 # --------------------------------------------------------------------------------------------------

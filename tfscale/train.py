@@ -32,7 +32,7 @@ from tfscale import callbacks as tfs_callbacks
 from tfscale import checkpoints, ema, engine, init_from, io, local_sgd, schedules
 from tfscale import config as tfs_config
 from tfscale import workdir as workdirs
-from tfscale.data import assignment, faults, pipeline
+from tfscale.data.input import assignment, faults, pipeline
 
 def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> dict:
     """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns the summary.
@@ -102,10 +102,11 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
         steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps, log_every_steps=cfg.train.log_every_steps,
         extra_fields=count_skipped,
     )
-    learning_rate = _learning_rate_callback(run)
-    callback_list = _callback_list(run, workdir, model, learning_rate, logger, extra_callbacks)
+    learning_rate = engine.LearningRate(_schedule(run), optimizer, run.cluster)
+    learning_rate.resume(start_step)
+    callback_list = _callback_list(run, workdir, model, logger, extra_callbacks)
     run_eval = _evaluator(run, model, callback_list)
-    loops = engine.Loops(run, plan, model, optimizer, ckpts.step, learning_rate.device_schedule, sync_counts)
+    loops = engine.Loops(run, plan, model, optimizer, ckpts.step, learning_rate, sync_counts)
     start_time = time.time()
     if _eval_missing_at(run, plan, start_step, logged):  # stopped at an eval step before its eval ran
         run_eval(start_step)
@@ -140,24 +141,20 @@ def _eval_missing_at(run: engine.Run, plan: local_sgd.SyncPlan, start_step: int,
     return bool(run.cluster.gather_per_worker([float(missing)])[0][0]) if due else False
 
 
-def _learning_rate_callback(run: engine.Run) -> tfs_callbacks.LearningRatePerStep:
-    """config.schedule as the callback whose table the training loop reads on device."""
+def _schedule(run: engine.Run) -> schedules.Schedule:
+    """config.schedule over this run's steps: the LR the training loop sets on device (engine.LearningRate)."""
     cfg, steps = run.cfg, run.steps
-    schedule = schedules.make_schedule(
-        cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=steps.steps_per_epoch,
-        total_steps=steps.train_steps, num_replicas=run.cluster.num_replicas,
-    )
-    return tfs_callbacks.LearningRatePerStep(schedule, total_steps=steps.train_steps)
+    return schedules.make_schedule(cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=steps.steps_per_epoch,
+                                   total_steps=steps.train_steps, num_replicas=run.cluster.num_replicas)
 
 
-def _callback_list(run: engine.Run, workdir: str, model, learning_rate, logger,
-                   extra_callbacks) -> keras.callbacks.CallbackList:
-    """The LR first (the logger logs the LR it set), the logger, the profiler, then the user's."""
+def _callback_list(run: engine.Run, workdir: str, model, logger, extra_callbacks) -> keras.callbacks.CallbackList:
+    """The logger (it logs the LR the loop set), the profiler, then the user's."""
     cfg, steps = run.cfg, run.steps
     profiler = tfs_callbacks.profiler_callbacks(cfg.profile_steps, os.path.join(workdir, "tensorboard"),
                                                 is_chief=run.cluster.is_chief)
     return keras.callbacks.CallbackList(
-        [learning_rate, logger, *profiler, *extra_callbacks], model=model,
+        [logger, *profiler, *extra_callbacks], model=model,
         epochs=math.ceil(steps.train_steps / steps.steps_per_epoch), steps=steps.steps_per_epoch,
     )
 
@@ -219,7 +216,9 @@ def _train_loop(run, model, loops: engine.Loops, ckpts, callback_list, run_eval,
             callback_list.on_epoch_begin(epoch)
         callback_list.on_train_batch_begin(first_batch, {"global_step": step})
         loop_end = _loop_end(run, step, plan)
+        loops.learning_rate.follow_callbacks(step)  # a callback may have set the LR since the last loop
         losses, workers_stopping = _run_loop(run, loops.loop_for(step), iterator, stop_requested, loop_end - step)
+        loops.learning_rate.loop_ended()
         loops.after(loop_end)  # before the callbacks, so that they see the weights the workers agree on
         _replay_batches(callback_list, step, first_batch, losses)
         step = loop_end
@@ -231,13 +230,20 @@ def _train_loop(run, model, loops: engine.Loops, ckpts, callback_list, run_eval,
             raise errors.Preempted(step)
         if plan.due(step, steps.checkpoint_every_steps):
             ckpts.save(step)
-        if plan.due(step, steps.eval_every_steps) or step == steps.train_steps:
+        evaluated = plan.due(step, steps.eval_every_steps) or step == steps.train_steps
+        if evaluated:
             eval_results = run_eval(step)
-        if step % steps.steps_per_epoch == 0:
-            callback_list.on_epoch_end(epoch, {"loss": losses[-1]})
+        if step % steps.steps_per_epoch == 0:  # with this step's eval as Keras names it (ReduceLROnPlateau's val_loss)
+            val_logs = _keras_val_logs(eval_results) if evaluated else {}
+            callback_list.on_epoch_end(epoch, {"loss": losses[-1], **val_logs})
         if model.stop_training:  # set by standard callbacks such as EarlyStopping/TerminateOnNaN
             break
     return eval_results
+
+
+def _keras_val_logs(eval_results: dict) -> dict:
+    """An eval's metrics as Keras' fit names them at an epoch's end: val_loss, val_top1, val_top5."""
+    return {f"val_{key.removeprefix('eval_')}": eval_results[key] for key in ("eval_loss", "eval_top1", "eval_top5")}
 
 
 def _loop_end(run: engine.Run, step: int, plan: local_sgd.SyncPlan) -> int:

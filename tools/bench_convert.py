@@ -22,7 +22,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from tfscale import io as tfio  # noqa: E402
-from tfscale.data import convert, parallel  # noqa: E402
+from tfscale.data.convert import convert, parallel  # noqa: E402
 
 _INPUT_DIR = flags.DEFINE_string("input_dir", None, "Class-folder image tree to convert.", required=True)
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 16, "Shards per conversion.")

@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfscale import baselines, engine  # noqa: E402
 from tfscale import config as tfs_config  # noqa: E402
-from tfscale.data import pipeline  # noqa: E402
+from tfscale.data.input import pipeline  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "cifar_resnet8", "Model to train (a key of tfscale.models.MODELS).")
 _BATCH = flags.DEFINE_integer("batch", 32, "Global batch size.")

@@ -54,7 +54,7 @@ def main(argv):
     workdir = os.path.abspath(_WORKDIR.value)
     images_dir, shards_dir = os.path.join(workdir, "images"), os.path.join(workdir, "shards")
     counts = write_image_tree(images_dir)  # first: without scikit-learn, its one error line is all the output
-    from tfscale.data import convert  # imports TensorFlow
+    from tfscale.data.convert import convert  # imports TensorFlow
 
     for split, num_shards in (("train", 4), ("validation", 2)):
         convert.convert(os.path.join(images_dir, split), shards_dir, split, num_shards)

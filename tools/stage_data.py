@@ -12,7 +12,7 @@ directory on stdout, so a job script can do DATA_DIR=$(python tools/stage_data.p
 With --num_workers and --worker_ranks (this node's training workers) only the train shards those
 workers read are staged (every eval shard always); --config takes the splits and the assignment
 scheme from the training config and its overrides, as the Slurm templates do. Default: every shard.
-The logic and full documentation are in tfscale/data/stage.py and the modules its docstring names
+The logic and full documentation are in tfscale/data/stage/stage.py and the modules its docstring names
 (`--help` lists the flags).
 """
 
@@ -22,7 +22,7 @@ import sys
 # Runs from a checkout too, without `pip install -e .`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tfscale.data import stage  # noqa: E402
+from tfscale.data.stage import stage  # noqa: E402
 
 if __name__ == "__main__":
     stage.run()

@@ -32,7 +32,7 @@ import numpy as np
 from absl import logging
 
 from tfscale import io as tfio
-from tfscale.data import encode, shards, sources
+from tfscale.data.convert import encode, shards, sources
 
 FORMATS = ("idx", "cifar")
 SPLITS = ("train", "validation", "test")

@@ -7,7 +7,7 @@ r"""Image folders -> TFRecord shards in the standard ImageNet layout, plus a JSO
 
 Input is a class-folder tree `DIR/<class>/*.jpg|jpeg|png` (any case), or a flat folder of images plus
 a labels file (ImageNet's validation layout): one class name per image in sorted file-name order,
-Kaggle's LOC_val_solution.csv, or the devkit's ground truth with --devkit_meta (data/val_labels.py).
+Kaggle's LOC_val_solution.csv, or the devkit's ground truth with --devkit_meta (data/convert/val_labels.py).
 --class_order_from takes the label order from the train split already converted, so the splits agree.
 
 Output is what `build_imagenet_data.py` writes, so every TF ImageNet reader takes it: shards
@@ -30,8 +30,8 @@ complete, or recorded with another fingerprint; shards of unknown origin are rew
 shards of other inputs or options are never mixed in. Files not named like ours are never touched.
 Output must be a local or parallel file system (os.replace); copy to gs:// etc. afterwards.
 
-This module is the tool: the steps and their flags. The parts live in tfscale.data.sources (inputs ->
-Items), tfscale.data.encode (one image -> Example bytes), tfscale.data.shards (shard files, plan,
+This module is the tool: the steps and their flags. The parts live in tfscale.data.convert.sources (inputs ->
+Items), tfscale.data.convert.encode (one image -> Example bytes), tfscale.data.convert.shards (shard files, plan,
 fingerprints, resume state, manifest contents) and tfscale.io (atomic writes, reading manifests).
 """
 from __future__ import annotations
@@ -42,11 +42,11 @@ from absl import app, flags, logging
 
 from tfscale import cli, logs
 from tfscale import io as tfio
-from tfscale.data import arrays, encode, parallel, shards, sources
+from tfscale.data.convert import arrays, encode, parallel, shards, sources
 
 SPLITS = ("train", "validation")
 # Modules the worker processes need (tensorflow: the shard writers), imported once by the fork server.
-_WORKER_PRELOAD = ("tensorflow", "tfscale.data.shards")
+_WORKER_PRELOAD = ("tensorflow", "tfscale.data.convert.shards")
 
 
 # ---------------------------------------------------------------------------------------- pipeline
@@ -112,7 +112,7 @@ def convert(input_dir: str, output_dir: str, split: str, num_shards: int, *, lab
       num_shards: number of shards; at most the number of images.
       labels_file: the class of each image of a flat `input_dir`: one class name per line, one line per
         image sorted by name; or LOC_val_solution.csv; or the devkit's ground truth with `devkit_meta`
-        (tfscale.data.val_labels).
+        (tfscale.data.convert.val_labels).
       class_order_file: class names, one per line, in label order (label = line index + 1). Default:
         sorted class folder names (tree) or sorted distinct names of `labels_file`.
       class_text_file: `synset<TAB>text` lines; classes without one get their name as text (or, with
@@ -176,7 +176,7 @@ def _define_flags() -> None:
         return
     flags.DEFINE_enum("format", "folder", ("folder", *arrays.FORMATS), "folder: an image folder (below); idx: "
                       "MNIST-layout IDX files (Fashion-MNIST, KMNIST, EMNIST); cifar: CIFAR-10/100 Python batches. "
-                      "idx and cifar write train, validation and test shards at once (tfscale.data.arrays).")
+                      "idx and cifar write train, validation and test shards at once (tfscale.data.convert.arrays).")
     flags.DEFINE_string("input_dir", None, "Class-folder tree DIR/<class>/*.jpg|png, or a flat folder "
                         "of images with --labels_file; or the idx/cifar files.")
     flags.DEFINE_string("output_dir", None, "Where shards and manifest-{split}.json go (created if needed).")

@@ -15,7 +15,7 @@ import struct
 import numpy as np
 from PIL import Image
 
-from tfscale.data.sources import Item
+from tfscale.data.convert.sources import Item
 
 FEATURE_KEYS = (
     "image/encoded",
@@ -129,7 +129,7 @@ def example_bytes(jpeg: bytes, height_px: int, width_px: int, item: Item, *, ima
                   channels: int = 3, colorspace: bytes = b"RGB") -> bytes:
     """A serialized tf.train.Example with exactly the FEATURE_KEYS, as build_imagenet_data.py writes.
 
-    `jpeg` is the encoded image: a JPEG unless `image_format` says otherwise (tfscale.data.arrays: PNG).
+    `jpeg` is the encoded image: a JPEG unless `image_format` says otherwise (tfscale.data.convert.arrays: PNG).
     """
     import tensorflow as tf  # imported where needed: listing and checking inputs stay fast
 

@@ -4,8 +4,8 @@ Names in an output directory (everything but shards and the manifest starts with
   `{split}-00000-of-01024`            a shard, complete (written under a temporary name, then renamed)
   `.{name}.tmp-{pid}`                 the temporary of a shard, the state file or a manifest
   `.{split}-convert-state.json`       {shard name: inputs_sha256} of the finished shards of a run
-  `dali-index/{name}.idx`             the shard's index for DALI's reader (tfscale.data.dali_index)
-  `manifest-{split}.json`             tfscale.io; written last, by tfscale.data.convert
+  `dali-index/{name}.idx`             the shard's index for DALI's reader (tfscale.data.convert.dali_index)
+  `manifest-{split}.json`             tfscale.io; written last, by tfscale.data.convert.convert
 A shard is reused by a rerun only when it is complete and its recorded fingerprint (inputs_sha256:
 input files, labels and options) is the one planned; shards of unknown origin are rewritten.
 """
@@ -23,9 +23,9 @@ from absl import logging
 
 import tfscale
 from tfscale import io as tfio
-from tfscale.data import dali_index, parallel
-from tfscale.data.encode import JPEG_QUALITY, encode_image, example_bytes
-from tfscale.data.sources import LABEL_OFFSET, Item
+from tfscale.data.convert import dali_index, parallel
+from tfscale.data.convert.encode import JPEG_QUALITY, encode_image, example_bytes
+from tfscale.data.convert.sources import LABEL_OFFSET, Item
 
 _STATE_FORMAT = ".{split}-convert-state.json"  # shard fingerprints while a conversion is under way
 

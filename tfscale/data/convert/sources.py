@@ -2,11 +2,11 @@
 
     DIR/<class>/*.jpg|jpeg|png        (any case; ImageNet's train layout)
     DIR/*.jpg + --labels_file         (ImageNet val: a class per image; the forms ImageNet's labels come in
-                                       are read by tfscale.data.val_labels)
+                                       are read by tfscale.data.convert.val_labels)
 
 Labels follow the ImageNet convention: 1 + the class's index in label order (sorted class names, the
 order of --class_order_file, or the train split's with --class_order_from); 0 is unused. Nothing here opens an image: checking and encoding
-them is tfscale.data.encode's job.
+them is tfscale.data.convert.encode's job.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Iterable, NamedTuple
 
 from absl import logging
 
-from tfscale.data import val_labels
+from tfscale.data.convert import val_labels
 
 LABEL_OFFSET = 1  # ImageNet convention: label = index in class order + 1; 0 is unused ("background")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")

@@ -59,7 +59,7 @@ def _warn_slow_randaugment(keras_version: str, reason: str) -> None:
     logging.warning("RandAugment: Keras %s, falling back to keras.layers.RandAugment's own call, ~15x slower "
                     "(~45 ms instead of ~3 ms of CPU per 224x224 image): the fast path is off because %s. "
                     "Check the fast path on this version (tests/test_preprocess.py), then extend "
-                    "tfscale.data.batch_augment._RANDAUGMENT_VERIFIED_KERAS.",
+                    "tfscale.data.input.batch_augment._RANDAUGMENT_VERIFIED_KERAS.",
                     keras_version, reason)
 
 

@@ -1,6 +1,6 @@
 """NVIDIA DALI input pipelines on the same TFRecord shards (`data.loader='dali'`; optional: `make dali`).
 
-The same contract as the tf.data pipeline (data/pipeline.py): per-worker functions of a
+The same contract as the tf.data pipeline (data/input/pipeline.py): per-worker functions of a
 `tf.distribute.InputContext`, uint8 NHWC images and int32 labels (eval: plus a float mask), the
 same shards, the same data assignment, the same augmentation semantics:
 
@@ -42,7 +42,8 @@ from absl import logging
 
 from tfscale import devices, errors
 from tfscale.config import DALI_INSTALL_HINT
-from tfscale.data import assignment, dali_index, pipeline, preprocess, shard_dir
+from tfscale.data.convert import dali_index
+from tfscale.data.input import assignment, pipeline, preprocess, shard_dir
 
 try:
     import nvidia.dali.tfrecord as tfrec

@@ -27,7 +27,7 @@ import ml_collections
 import tensorflow as tf
 
 from tfscale import devices
-from tfscale.data import assignment, batch_augment, faults, info, preprocess, shard_dir, synthetic
+from tfscale.data.input import assignment, batch_augment, faults, info, preprocess, shard_dir, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 _READ_BUFFER_BYTES = 8 << 20  # per open shard; large sequential reads suit parallel file systems
@@ -227,10 +227,6 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
     does not decode are dropped and counted in `skipped_images` (an int64 variable of this worker).
     """
     data_dir = data_dir or data_cfg.data_dir
-    if data_cfg.loader == "dali":
-        from tfscale.data import dali  # optional: only installed with `make dali`
-
-        return dali.train_input_fn(data_cfg, seed=seed, start_step=start_step, data_dir=data_dir)
 
     def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         if data_cfg.dataset in _SYNTHETIC:
@@ -298,10 +294,6 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batc
                   data_dir: str | None = None) -> InputFn:
     """`num_steps` eval batches (images, labels, mask); mask 0 marks padding of the last batch."""
     data_dir = data_dir or data_cfg.data_dir
-    if data_cfg.loader == "dali":
-        from tfscale.data import dali  # optional: only installed with `make dali`
-
-        return dali.eval_input_fn(data_cfg, global_batch_size=global_batch_size, num_steps=num_steps, data_dir=data_dir)
 
     def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         if data_cfg.dataset in _SYNTHETIC:

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfscale import errors
 from tfscale import io as tfio
-from tfscale.data import stage
+from tfscale.data.stage import stage
 
 
 def list_shards(data_dir: str, split: str) -> list[str]:

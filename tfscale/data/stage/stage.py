@@ -12,7 +12,7 @@ needs once, at job start, to node-local SSD ($TMPDIR); training then reads the l
 Which shards a node needs: every eval shard (evaluation reads example i on worker i mod W from every
 file), and of the train shards only those its workers read. Given the node's worker ranks, the
 worker count and the assignment scheme (`Readers`), the train shards are chosen exactly as
-tfscale.data.pipeline assigns them: whole files by tfscale.data.assignment when there are at least as
+tfscale.data.input.pipeline assigns them: whole files by tfscale.data.input.assignment when there are at least as
 many files as workers, else every file (each worker then keeps every W-th example of all of them).
 Without ranks every shard is staged. Every worker must still number the train files as in the full
 directory to find its own, so staging records each split's source shard names, in reading order, in
@@ -48,8 +48,8 @@ Shards with a manifest (`manifest-{split}.json` written by tfscale's converter, 
 `{split}-manifest.json`) are verified against it; the manifests are staged too, so the input pipeline
 finds them. Shards from other tools are found by name (`{split}-*-of-*`) and verified by size only.
 
-The parts: tfscale.data.stage_plan (which shards: `Readers`, `plan`), tfscale.data.stage_state (state
-and shard-list records, the lock, cleanup), tfscale.data.stage_copy (checking, copying, progress).
+The parts: tfscale.data.stage.stage_plan (which shards: `Readers`, `plan`), tfscale.data.stage.stage_state (state
+and shard-list records, the lock, cleanup), tfscale.data.stage.stage_copy (checking, copying, progress).
 This module runs them under the lock (`stage`) and is the command-line tool.
 
 This module must stay cheap to import: no TensorFlow (it runs as its own step on each node).
@@ -66,10 +66,11 @@ from typing import Iterable
 from absl import app, flags, logging
 
 from tfscale import cli
-from tfscale.data import assignment, stage_copy
-from tfscale.data.stage_copy import BYTES_PER_MB, READ_ATTEMPTS, READ_RETRY_FIRST_DELAY_S, VERIFY_MODES, ReadRetry
-from tfscale.data.stage_plan import Readers, Shard, parse_ranks, plan
-from tfscale.data.stage_state import (LOCK_FILE, PARTIAL_PREFIX, SHARD_LIST_FILE, STATE_FILE, StageError,
+from tfscale.data.input import assignment
+from tfscale.data.stage import stage_copy
+from tfscale.data.stage.stage_copy import BYTES_PER_MB, READ_ATTEMPTS, READ_RETRY_FIRST_DELAY_S, VERIFY_MODES, ReadRetry
+from tfscale.data.stage.stage_plan import Readers, Shard, parse_ranks, plan
+from tfscale.data.stage.stage_state import (LOCK_FILE, PARTIAL_PREFIX, SHARD_LIST_FILE, STATE_FILE, StageError,
                                       acquire_lock, load_state, read_shard_list, remove_partial_files,
                                       save_shard_lists, save_state)
 

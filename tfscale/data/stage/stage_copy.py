@@ -29,8 +29,8 @@ from absl import logging
 from tqdm import tqdm
 
 from tfscale import io as tfio
-from tfscale.data.stage_plan import Shard
-from tfscale.data.stage_state import PARTIAL_PREFIX, StageError
+from tfscale.data.stage.stage_plan import Shard
+from tfscale.data.stage.stage_state import PARTIAL_PREFIX, StageError
 
 VERIFY_MODES = ("sha256", "size")
 BYTES_PER_MB = 1e6

@@ -1,8 +1,8 @@
 """Which shards a node stages: a split's manifest (or its `{split}-*-of-*` files), cut to what its readers read.
 
 Every eval shard is staged (evaluation reads example i on worker i mod W from every file); of the
-train shards only those the node's workers read (`Readers`), chosen exactly as tfscale.data.pipeline
-assigns them: whole files by tfscale.data.assignment when there are at least as many files as
+train shards only those the node's workers read (`Readers`), chosen exactly as tfscale.data.input.pipeline
+assigns them: whole files by tfscale.data.input.assignment when there are at least as many files as
 workers, else every file. Files are numbered in sorted name order, as the pipeline numbers them.
 No TensorFlow, no copying here: `plan` only decides.
 """
@@ -18,7 +18,7 @@ from typing import Iterable
 from absl import logging
 
 from tfscale import io as tfio
-from tfscale.data import assignment
+from tfscale.data.input import assignment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Readers:
             raise ValueError(f"worker ranks {outside} are not in [0, num_workers={self.num_workers})")
 
     def file_indices(self, num_files: int) -> list[int]:
-        """Sorted indices of the files these workers read, as tfscale.data.pipeline assigns them."""
+        """Sorted indices of the files these workers read, as tfscale.data.input.pipeline assigns them."""
         if assignment.shard_level(num_files, self.num_workers, self.level) == "example":
             return list(range(num_files))  # fewer files than workers: every worker reads every file
         indices = set()
