@@ -163,6 +163,21 @@ def test_a_cell_with_its_own_worker_count_runs_through_the_launcher_with_it(tmp_
     assert tfs_study.train_command(study, two, 0, "d")[1:4] == ["-m", "tfscale.launch", "--num_workers=2"]
 
 
+def test_a_cell_with_its_own_seeds_runs_those_and_by_seed_runs_every_cells_first_seed_first(tmp_path):
+    study_file = tmp_path / "seeds.py"
+    study_file.write_text("def get_study():\n    return {'config': 'configs/smoke.py', 'seeds': [0, 1, 2], 'baseline': 'a', "
+                          "'cells': {'a': [], 'reference': {'overrides': [], 'seeds': [7]}, 'c': []}}\n")
+    runs = tfs_study.runs_of(tfs_study.load_study(str(study_file)))
+    in_file_order = [(cell.name, seed) for cell, seed in runs]
+    assert in_file_order == [("a", 0), ("a", 1), ("a", 2), ("reference", 7), ("c", 0), ("c", 1), ("c", 2)]
+    assert [(cell.name, seed) for cell, seed in tfs_study.by_seed(runs)] == [
+        ("a", 0), ("reference", 7), ("c", 0), ("a", 1), ("c", 1), ("a", 2), ("c", 2)]
+    study_file.write_text("def get_study():\n    return {'config': 'configs/smoke.py', 'seeds': [0], 'baseline': 'a', "
+                          "'cells': {'a': {'overrides': [], 'seeds': [1, 1]}}}\n")
+    with pytest.raises(ValueError, match=r"seeds.py: cell a: seeds must be distinct and at least one, got \[1, 1\]"):
+        tfs_study.load_study(str(study_file))
+
+
 def test_study_file_errors_name_file_and_key(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def get_study():\n    return {'config': 'configs/smoke.py', 'cells': {'a': []}, 'seeds': [0], "

@@ -8,7 +8,7 @@ A study file is Python with `get_study()` returning a dict:
     {"config": "configs/cifar_resnet20.py",          # the base recipe (PATH[:ARG], as --config takes it)
      "overrides": ["--config.data.data_dir=..."],    # for every run
      "cells": {"naive": ["--config.optim.lr_per_256=..."], "linear": [...], ...},   # name -> overrides
-     # or name -> {"overrides": [...], "plot_values": {...}, "num_workers": M} (M: this cell's worker count)
+     # or name -> {"overrides": [...], "plot_values": {...}, "num_workers": M, "seeds": [...]} (this cell's own)
      "seeds": [0, 1, 2],                             # config.seed of each run of a cell
      "baseline": "linear",                           # the cell every other is tested against
      # optional: further Welch tests, each of one cell against another; alternative: less | greater | two-sided
@@ -18,6 +18,8 @@ A study file is Python with `get_study()` returning a dict:
 
 Each run is `python -m tfscale.train` in `WORKDIR/runs/<cell>/seed<k>`; a run whose summary.json
 exists is finished and skipped, so a killed study (or a preempted job) picks up where it stopped.
+`--by_seed` runs every cell's first seed, then every cell's second, ...: a study stopped part-way has
+every cell at about the same number of runs.
 Afterwards the summaries are collected into `study.json` (every run's figures), `study.md` (per cell:
 runs, mean +- sample std of the final eval top-1, mean wall time, and the one-tailed Welch t-test
 p-value of "this cell's top-1 is lower than the baseline's", scipy.stats.ttest_ind with
@@ -60,6 +62,7 @@ class Cell:
     overrides: tuple[str, ...]
     plot_values: dict  # e.g. {"data.global_batch_size": 512, "method": "linear"} for study.png
     num_workers: int  # worker processes of each run: the cell's "num_workers", else the study's, else 1
+    seeds: tuple[int, ...]  # config.seed of each run: the cell's "seeds", else the study's
 
 
 def load_study(path_arg: str) -> dict:
@@ -84,8 +87,10 @@ def load_study(path_arg: str) -> dict:
     if study["baseline"] not in study["cells"]:
         raise ValueError(f"study file {path}: baseline {study['baseline']!r} is not one of the cells "
                          f"{', '.join(study['cells'])}")
-    if not study["seeds"] or len(set(study["seeds"])) != len(study["seeds"]):
-        raise ValueError(f"study file {path}: seeds must be distinct and at least one, got {study['seeds']}")
+    for name, seeds in [("seeds", study["seeds"])] + [(f"cell {cell.name}: seeds", cell.seeds)
+                                                      for cell in cells_of(study)]:
+        if not seeds or len(set(seeds)) != len(seeds):
+            raise ValueError(f"study file {path}: {name} must be distinct and at least one, got {list(seeds)}")
     for i, comparison in enumerate(study.get("comparisons", ())):
         _check_comparison(path, i, comparison, study["cells"])
     for cell in cells_of(study):  # their keys are the HParams dashboard's columns
@@ -112,7 +117,8 @@ def cells_of(study: dict) -> list[Cell]:
     for name, spec in study["cells"].items():
         spec = spec if isinstance(spec, dict) else {"overrides": spec}
         workers = int(spec.get("num_workers", study.get("num_workers", 1)))
-        cells.append(Cell(name, tuple(spec["overrides"]), dict(spec.get("plot_values", {})), workers))
+        seeds = tuple(int(seed) for seed in spec.get("seeds", study.get("seeds", ())))
+        cells.append(Cell(name, tuple(spec["overrides"]), dict(spec.get("plot_values", {})), workers, seeds))
     return cells
 
 
@@ -121,8 +127,17 @@ def run_dir(workdir: str, cell: str, seed: int) -> str:
 
 
 def runs_of(study: dict) -> list[tuple[Cell, int]]:
-    """Every run of the study, (cell, seed), in the order they run; a Slurm array task K runs the K-th."""
-    return [(cell, seed) for cell in cells_of(study) for seed in study["seeds"]]
+    """Every run of the study, (cell, seed): cells in file order, each cell's seeds. Slurm array task K runs the
+    K-th."""
+    return [(cell, seed) for cell in cells_of(study) for seed in cell.seeds]
+
+
+def by_seed(runs: list[tuple[Cell, int]]) -> list[tuple[Cell, int]]:
+    """`runs` with every cell's first seed first, then every cell's second, ... (cells in file order)."""
+    position = {}
+    for cell, seed in runs:
+        position[(cell.name, seed)] = sum(1 for other, _ in position if other == cell.name)
+    return sorted(runs, key=lambda run: position[(run[0].name, run[1])])  # stable: file order within a round
 
 
 def run_overrides(study: dict, cell: Cell, seed: int) -> list[str]:
@@ -180,7 +195,7 @@ def collect(study: dict, workdir: str) -> dict[str, list[dict]]:
     results = {}
     for cell in cells_of(study):
         runs = []
-        for seed in study["seeds"]:
+        for seed in cell.seeds:
             path = os.path.join(run_dir(workdir, cell.name, seed), "summary.json")
             if os.path.exists(path):
                 with open(path) as f:
@@ -327,7 +342,8 @@ FLAGS = flags.FLAGS
 def main(argv: list[str]) -> None:
     logs.configure()
     if len(argv) != 2:
-        raise app.UsageError("usage: python -m tfscale.study STUDY_FILE --workdir=DIR [--report_only] [--run_index=K]"
+        raise app.UsageError("usage: python -m tfscale.study STUDY_FILE --workdir=DIR [--report_only] [--run_index=K] "
+                             "[--by_seed]"
                              "\n   or: python -m tfscale.study STUDY_JSON (print its tables from the stored runs)")
     if argv[1].endswith(".json"):
         try:
@@ -340,7 +356,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--workdir is required with a study file")
     try:
         study = load_study(argv[1])
-        runs = None if FLAGS.run_index is None else [select_run(study, FLAGS.run_index)]
+        runs = by_seed(runs_of(study)) if FLAGS.by_seed else None
+        runs = runs if FLAGS.run_index is None else [select_run(study, FLAGS.run_index)]
         if FLAGS.print_run:
             if runs is None:
                 raise ValueError("--print_run needs --run_index")
@@ -355,7 +372,7 @@ def main(argv: list[str]) -> None:
         except RuntimeError as err:
             sys.exit(f"FATAL {err}")
     table = report(study, FLAGS.workdir)
-    logging.info("study of %d cells x %d seeds: %s", len(table), len(study["seeds"]),
+    logging.info("study of %d cells, %d runs: %s", len(table), len(runs_of(study)),
                  os.path.join(FLAGS.workdir, "study.md"))
 
 
@@ -364,6 +381,8 @@ def run() -> None:
     flags.DEFINE_string("workdir", None, "Where the runs, study.json, study.md, study.png and hparams/ "
                         "(TensorBoard's HParams dashboard) go; required with a study file.")
     flags.DEFINE_bool("report_only", False, "Only collect the finished runs into the report; run nothing.")
+    flags.DEFINE_bool("by_seed", False, "Run every cell's first seed, then every cell's second, ...: stopped part-way, "
+                      "every cell has about as many runs as the others (default: each cell's seeds in turn).")
     flags.DEFINE_integer("run_index", None, "Only this run (0-based, cells in file order x seeds), then the "
                          "report: what one task of a Slurm job array does.")
     flags.DEFINE_bool("print_run", False, "With --run_index: print the run's config, workdir and overrides, one a "

@@ -329,8 +329,11 @@ def study_cells(args: argparse.Namespace) -> tuple[int, list[tuple[str, list[str
                          + ", ".join(f"{c.name}: {c.num_workers}" for c in tfs_study.cells_of(study))
                          + "), and a job array gives every task the same nodes and GPUs: write one job "
                          "array per worker count, from a study file holding only those cells")
-    seed = study["seeds"][0]  # seeds change no key that validation checks
-    cells = [(cell.name, tfs_study.run_overrides(study, cell, seed)) for cell in tfs_study.cells_of(study)]
+    # Each cell validated with its first seed: seeds change no key that validation checks.
+    cells = [(cell.name, tfs_study.run_overrides(study, cell, cell.seeds[0])) for cell in tfs_study.cells_of(study)]
+    seeds = sorted({len(cell.seeds) for cell in tfs_study.cells_of(study)})
+    args.study_shape = (f"{len(cells)} cells x {seeds[0]} seeds" if len(seeds) == 1
+                        else f"{len(cells)} cells, {seeds[0]}-{seeds[-1]} seeds each")
     return len(tfs_study.runs_of(study)), cells
 
 
@@ -369,7 +372,7 @@ def make_script(argv: list[str]) -> tuple[str, str]:
     replicas = args.nodes * tasks
     device = "GPU" if args.gpus_per_node else "CPU task"
     if num_runs:
-        summary = (f"a job array of {num_runs} runs ({len(cells)} cells x {num_runs // len(cells)} seeds), each on "
+        summary = (f"a job array of {num_runs} runs ({args.study_shape}), each on "
                    f"{args.nodes} nodes x {tasks} {device}s = {replicas} replicas, backend {args.backend}")
     else:
         summary = (f"{args.nodes} nodes x {tasks} {device}s = {replicas} replicas, "
