@@ -17,6 +17,7 @@ from conftest import REPO
 from test_multiworker import (DRIVER, assert_weights_close, kill_rank1_once_training, logged_steps, quiet_env,
                               read_log, sigterm_then_resume, start_workers, weights)
 
+from tfscale import horovod_start
 from tfscale import config as tfs_config
 from tfscale import collectives, distribute, launch
 
@@ -152,15 +153,15 @@ def test_killed_rank_ends_the_other_without_hanging(tmp_path):
 def test_missing_horovod_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod.tensorflow", None)  # makes `import horovod.tensorflow` fail
     with pytest.raises(ImportError, match="make horovod"):
-        distribute.import_horovod()
+        horovod_start.import_horovod()
 
 
 def test_horovod_knobs_reach_the_environment():
     dist = tfs_config.base_config().distribute
-    assert distribute._horovod_environment(dist, {}) == {"HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}
+    assert horovod_start._horovod_environment(dist, {}) == {"HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}
     dist.horovod_fusion_bytes = 64 * 2**20
     dist.horovod_cycle_time_ms = 3.5
-    knobs = distribute._horovod_environment(dist, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "10"})
+    knobs = horovod_start._horovod_environment(dist, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "10"})
     assert knobs == {"HOROVOD_FUSION_THRESHOLD": str(64 * 2**20), "HOROVOD_CYCLE_TIME": "3.5"}
 
 

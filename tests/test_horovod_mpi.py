@@ -23,7 +23,7 @@ from conftest import REPO
 from test_horovod import SHORT, assert_ranks_agree_and_match_mwms, mwms_two_workers  # noqa: F401  (a fixture)
 from test_multiworker import DRIVER, logged_steps, quiet_env
 
-from tfscale import distribute
+from tfscale import horovod_start
 
 hvd = pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
 
@@ -162,13 +162,13 @@ def test_sigterm_to_the_ranks_checkpoints_both_then_mpirun_reruns_to_the_end(tmp
     ({}, 1),  # python -m tfscale.train alone
 ])
 def test_horovod_size_agreeing_with_the_launcher_passes(env, size):
-    distribute.check_horovod_size(size, env, "MPI")
+    horovod_start.check_horovod_size(size, env, "MPI")
 
 
 def test_srun_tasks_that_horovod_sees_as_separate_jobs_are_stopped():
     """`srun -n 2` of a Gloo-only Horovod: each task is rank 0 of 1 (measured), and would train alone."""
     with pytest.raises(RuntimeError, match=r"SLURM_STEP_NUM_TASKS=2 processes were started but Horovod \(Gloo "
                                            r"controller\) sees 1 rank\(s\).*built without MPI"):
-        distribute.check_horovod_size(1, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, "Gloo")
+        horovod_start.check_horovod_size(1, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, "Gloo")
     with pytest.raises(RuntimeError, match=r"OMPI_COMM_WORLD_SIZE=4 .* sees 2 rank"):
-        distribute.check_horovod_size(2, {"OMPI_COMM_WORLD_SIZE": "4", "SLURM_STEP_NUM_TASKS": "2"}, "MPI")
+        horovod_start.check_horovod_size(2, {"OMPI_COMM_WORLD_SIZE": "4", "SLURM_STEP_NUM_TASKS": "2"}, "MPI")

@@ -30,7 +30,8 @@ LAYERS = [
      "data.convert.dali_index", "data.input.faults", "data.input.info"],
     # the run's services: cluster, launcher, checkpoints, workdir, callbacks, command line, studies' records
     ["distribute", "launch", "callbacks", "checkpoints", "workdir", "cli", "init_from", "study_hparams"],
-    ["devices", "io", "supervise", "plan_published"],
+    ["connect", "horovod_start", "io", "supervise", "plan_published"],
+    ["devices"],
     # the schema and its validation
     ["config"],
     # pure building blocks: no tfscale imports but errors

@@ -253,14 +253,14 @@ def test_wrong_peer_address_fails_preflight_naming_it(tmp_path):
 COORDINATION_SCRIPT = r"""
 import json, sys
 from tensorflow.python.eager import context
-from tfscale import distribute
+from tfscale import connect, distribute
 from tfscale.config import base_config
 if sys.argv[1] == "hide":
-    for name in distribute._COORDINATION_CONFIG_MODULES:
+    for name in connect._COORDINATION_CONFIG_MODULES:
         sys.modules[name] = None  # `import name` now raises ImportError
 configured = []
-real_configure = distribute._configure_coordination_service
-distribute._configure_coordination_service = lambda *args: configured.append(real_configure(*args)) or configured[-1]
+real_configure = connect._configure_coordination_service
+connect._configure_coordination_service = lambda *args: configured.append(real_configure(*args)) or configured[-1]
 cfg = base_config().distribute
 cfg.backend, cfg.heartbeat_timeout_s = "mwms", 7.0
 tf_config = {"cluster": {"worker": [f"127.0.0.1:{sys.argv[2]}"]}, "task": {"type": "worker", "index": 0}}

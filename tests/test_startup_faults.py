@@ -142,12 +142,12 @@ def test_unresolvable_host_fails_at_once_naming_it(tmp_path):
 # (a worker that never got as far as TensorFlow).
 SETUP_SCRIPT = r"""
 import os, sys, time
-from tfscale import distribute
+from tfscale import connect, distribute
 from tfscale.config import base_config
 if os.environ.get("TFSCALE_LOCAL_RANK") == sys.argv[2]:
     time.sleep(600)
 if sys.argv[1] == "no_tf_timeout":
-    distribute._register_with_barrier = lambda: None
+    connect._register_with_barrier = lambda: None
 cfg = base_config().distribute
 cfg.backend, cfg.connect_timeout_s = "mwms", float(sys.argv[3])
 distribute.setup(cfg)

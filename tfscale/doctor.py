@@ -24,7 +24,7 @@ work; their speed means nothing there). Throughput runs only on a GPU.
 
 from __future__ import annotations
 
-from tfscale import errors, logs
+from tfscale import errors, horovod_start, logs
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -146,7 +146,7 @@ def check_all_reduce(gpus: list, configured: str) -> Check:
 
 def check_horovod(gpus: list) -> Check:
     try:
-        hvd = distribute.import_horovod()
+        hvd = horovod_start.import_horovod()
     except ImportError as err:
         if importlib.util.find_spec("horovod") is None:
             return Check("horovod", NA, "Horovod is not installed (optional: `make horovod`; `make horovod-gpu` "

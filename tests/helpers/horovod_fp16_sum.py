@@ -15,11 +15,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-from tfscale import collectives, distribute  # noqa: E402
+from tfscale import collectives, horovod_start  # noqa: E402
 
 
 def main(out_path: str) -> None:
-    hvd = distribute.import_horovod()
+    hvd = horovod_start.import_horovod()
     hvd.init()
     rank = hvd.rank()
     grads = [tf.constant([40000.0, 40000.0 - 32 * rank]), tf.constant([1e-3 * (rank + 1)])]

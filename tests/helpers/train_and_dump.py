@@ -29,7 +29,7 @@ import time
 import keras
 import numpy as np
 
-from tfscale import checkpoints, cli, distribute, engine, train
+from tfscale import checkpoints, cli, connect, engine, train
 
 
 class DumpWeights(keras.callbacks.Callback):
@@ -138,7 +138,7 @@ if __name__ == "__main__":
     FAULTS = pop_fault_options(sys.argv)
     HANG_AT = pop_hang_at(sys.argv)
     if HANG_AT == ("preflight", int(RANK)):
-        distribute.preflight_all_reduce = hang_before("preflight", distribute.preflight_all_reduce)
+        connect.preflight_all_reduce = hang_before("preflight", connect.preflight_all_reduce)
     if HANG_AT == ("restore", int(RANK)):
         checkpoints.Checkpoints.restore_or_init = hang_before("restore", checkpoints.Checkpoints.restore_or_init)
     if sys.argv[1] == "--freeze_bn":
