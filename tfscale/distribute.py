@@ -1,4 +1,4 @@
-"""Cluster setup: the only module that builds a tf.distribute strategy, imports horovod or reads cluster environment.
+"""Cluster setup: the only module that builds a tf.distribute strategy or reads the cluster environment.
 
 `setup(cfg.distribute) -> Cluster` returns everything the rest of tfscale needs to know about the
 topology (rank, size, replicas, chief), the strategy to run steps with, and the few collectives the
