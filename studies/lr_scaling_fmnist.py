@@ -58,7 +58,7 @@ def cell_overrides(replicas: int, warmup: str, warmup_epochs: int) -> list[str]:
 def comparisons(stepping: str, gradual: str, gradual_long: str, stepping_quarter_batch: str) -> list[dict]:
     """The thesis's questions, by the cells' names: does a warmup help, does a longer one, does Exp 7 differ?"""
     return [*({"cell": warmup, "against": "linear", "alternative": "greater"} for warmup in (stepping, gradual,
-                                                                                              gradual_long)),
+                                                                                             gradual_long)),
             {"cell": gradual_long, "against": gradual, "alternative": "two-sided"},  # Exp 9 against Exp 8
             {"cell": stepping_quarter_batch, "against": stepping, "alternative": "two-sided"}]  # Exp 7 against 6
 

@@ -22,6 +22,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import REPO, frozen_bn_model_and_optimizer, load_config, read_jsonl, run_cli  # noqa: E402
 
+from tfscale import local_sgd_steps
 from tfscale import config as tfs_config  # noqa: E402
 from tfscale import distribute, engine, init_from, optim  # noqa: E402
 from tfscale.data.input import pipeline  # noqa: E402
@@ -71,7 +72,7 @@ def one_clipped_step(*overrides: str, local: bool = False) -> dict:
         grads, _ = reference_gradients(model, images, labels, cfg.optim.weight_decay)
         expected, norm = clipped_sgd_step(initial, grads, cfg.optim.lr, CLIP)
         unclipped = [w - cfg.optim.lr * g for w, g in zip(initial, grads)]
-        make_loop = engine.make_local_train_loop if local else engine.make_train_loop
+        make_loop = local_sgd_steps.make_local_train_loop if local else engine.make_train_loop
         loop = make_loop(cfg, cluster, model, optimizer, step=tf.Variable(0, dtype=tf.int64))
         # The strategy splits the global batch over its replicas, as it splits train's input.
         batches = cluster.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))

@@ -509,7 +509,7 @@ def test_killed_conversion_resumes(photos, tmp_path):
     (tmp_path / "in" / "c").mkdir(parents=True)
     for i in range(16):  # large enough that writing 16 resized shards takes about a second
         photo_crop(photos, 800 + i, max_side_px=1600, min_side_px=1400).save(tmp_path / "in" / "c" / f"{i}.jpg",
-                                                                           quality=90)
+                                                                             quality=90)
     args = ["--input_dir", str(tmp_path / "in"), "--split", "train", "--num_shards", "16",
             "--resize_shorter", "64", "--num_workers", "1"]
     out = tmp_path / "out"

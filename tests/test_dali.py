@@ -155,7 +155,7 @@ def test_a_nodes_staged_copy_gets_its_own_indexes_and_serves_only_its_workers(ph
     data_cfg = photo_config(dest, global_batch_size=10)
     labels, _ = train_labels(data_cfg, 1, 2, 2)  # worker 1's files: shards 1 and 3
     assert sorted(os.listdir(os.path.join(dest, "dali-index"))) == ["train-00001-of-00004.idx",
-                                                                   "train-00003-of-00004.idx"]
+                                                                    "train-00003-of-00004.idx"]
     assert len(set(labels[:10])) == 10
     with pytest.raises(FileNotFoundError, match="2 of the 2 shards worker 0 of 2 reads are missing in the staged copy"):
         train_labels(data_cfg, 0, 2, 1)

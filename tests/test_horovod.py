@@ -185,9 +185,7 @@ def test_horovod_rank_loss_is_averaged_over_its_own_batch():
     assert mwms.loss_batch_size(256) == 256 and mwms.saving_is_collective
 
 
-
 # --- porting a Horovod model.fit script -------------------------------------------------------------
-
 FIT = os.path.join(REPO, "tests", "helpers", "horovod_fit.py")
 
 

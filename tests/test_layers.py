@@ -17,7 +17,9 @@ LAYERS = [
     ["doctor", "plan", "study", "data.convert.__main__", "data.stage.__main__"],
     ["benchmark"],
     ["train", "export", "baselines"],
-    # the training run: setup, the step and the loops
+    # the training run: its loops (the LR on device, synchronous and local SGD), setup and the step
+    ["loops"],
+    ["local_sgd_steps"],
     ["engine"],
     # data: input (the loader chosen above both tf.data and DALI), conversion, staging
     ["data.input.loaders"],

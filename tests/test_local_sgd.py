@@ -19,6 +19,7 @@ from conftest import REPO, load_config
 from test_multiworker import (DRIVER, assert_weights_close, first_errors, logged_steps, quiet_env, read_log,
                               sigterm_then_resume, start_workers, wait_all, weights)
 
+from tfscale import local_sgd_steps
 from tfscale import config as tfs_config
 from tfscale import engine, local_sgd
 
@@ -146,7 +147,7 @@ def test_households_must_divide_the_replicas():
 def test_local_sgd_needs_one_replica_per_process():
     cluster = ml_collections.ConfigDict({"num_replicas": 2, "size": 1, "backend": "mirrored"})
     with pytest.raises(tfs_config.ConfigError, match="one replica per worker process.*1 process.*2 replicas"):
-        engine.check_local_replicas(cluster)
+        local_sgd_steps.check_local_replicas(cluster)
 
 
 def test_overlap_epochs_accounting():

@@ -358,9 +358,9 @@ def test_a_study_whose_cells_need_different_worker_counts_is_refused_naming_them
 
 
 @pytest.mark.parametrize("study, nodes, runs", [("lr_scaling_fmnist.py", 8, "30 runs (6 cells x 5 seeds)"),
-                                                 ("assignment_households_fmnist.py", 4, "80 runs (16 cells x 5 seeds)")])
+                                                ("assignment_households_fmnist.py", 4, "80 runs (16 cells x 5 seeds)")])
 def test_the_committed_studies_thesis_versions_are_job_arrays_at_the_theses_gpu_counts(tmp_path, capsys, study,
-                                                                                      nodes, runs):
+                                                                                       nodes, runs):
     """32 GPUs for the LR-scaling thesis, 16 workers for the data-assignment one: every cell validates there."""
     text = generate(tmp_path, f"--study={os.path.join(REPO, 'studies', study)}:thesis", f"--nodes={nodes}",
                     "--gpus_per_node=4", "--backend=mwms", f"--config.data.data_dir={REPO}")

@@ -344,7 +344,7 @@ def test_manifest_mismatch_names_key_and_both_values(data, key, value, theirs):
     cfg = data_config(data["six"], **{key: value})
     with pytest.raises(ValueError) as err:
         shard_dir.prepare_data_dir(cfg, num_train_examples=cfg.num_train_examples,
-                                  num_eval_examples=cfg.num_eval_examples)
+                                   num_eval_examples=cfg.num_eval_examples)
     message = str(err.value)
     split = "validation" if key == "num_eval_examples" else "train"
     assert f"config.data.{key}={value}" in message and f"says {theirs}" in message
@@ -475,7 +475,7 @@ def test_a_nodes_partial_copy_trains_like_the_full_dir(data, eight, tmp_path, sc
         ranks = tuple(range(node * tasks_per_node, (node + 1) * tasks_per_node))
         local = str(tmp_path / f"node{node}")
         staged = shard_dir.prepare_data_dir(data_config(src, stage_dir=local, **reading), num_train_examples=31,
-                                           num_eval_examples=25, worker_ranks=ranks, num_workers=workers)
+                                            num_eval_examples=25, worker_ranks=ranks, num_workers=workers)
         assert staged == local
         want = {f"train-{i:05d}-of-00008" for rank in ranks
                 for i in assignment.assign(8, rank=rank, num_workers=workers, scheme=scheme, copies=copies)}

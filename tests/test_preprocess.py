@@ -364,7 +364,7 @@ def _batches(images):
 def test_mix_augmenters_in_dataset_map(images, name):
     ds, x, y = _batches(images)
     fn = batch_augment.batch_augmenter(name, num_classes=NUM_CLASSES, mixup_alpha=0.4, cutmix_factor=1.0,
-                                    randaugment_ops=2, randaugment_factor=0.5)
+                                       randaugment_ops=2, randaugment_factor=0.5)
     out = ds.map(fn, num_parallel_calls=2)
     assert out.element_spec[0].shape == (8, S, S, 3) and out.element_spec[0].dtype == tf.uint8
     assert out.element_spec[1].shape == (8, NUM_CLASSES) and out.element_spec[1].dtype == tf.float32
@@ -388,8 +388,8 @@ def test_mix_augmenters_in_dataset_map(images, name):
 def test_randaugment_in_dataset_map(images, impl):
     ds, x, y = _batches(images)
     fn = batch_augment.batch_augmenter("randaugment", num_classes=NUM_CLASSES, randaugment_ops=2,
-                                    randaugment_factor=0.5, mixup_alpha=0.2, cutmix_factor=1.0,
-                                    randaugment_impl=impl)
+                                       randaugment_factor=0.5, mixup_alpha=0.2, cutmix_factor=1.0,
+                                       randaugment_impl=impl)
     out = ds.map(fn, num_parallel_calls=2)
     assert out.element_spec[0].shape == (8, S, S, 3) and out.element_spec[0].dtype == tf.uint8
     assert out.element_spec[1].dtype == tf.int32

@@ -209,7 +209,7 @@ def _digits_run(shards, counts, workdir):
     ("shard_cut_short", 65, "FATAL data error: shard {shards}/train-00001-of-00002 has 100 bytes but "),
 ])
 def test_a_data_fault_at_start_up_is_one_fatal_line_with_its_exit_code(digit_shards, tmp_path, fault, exit_code,
-                                                                         line):
+                                                                       line):
     source, counts = digit_shards
     shards = tmp_path / "shards"
     shutil.copytree(source, shards)

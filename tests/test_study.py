@@ -220,7 +220,7 @@ def test_a_shared_point_starts_every_line_it_names():
              "plot": {"x": "batch", "series": "method"}}
     row = {"runs": 3, "top1_std": 0.01}
     table = {name: {**row, "top1_mean": mean} for name, mean in (("b32", 0.9), ("naive_b256", 0.8),
-                                                                   ("linear_b256", 0.85))}
+                                                                 ("linear_b256", 0.85))}
     assert tfs_study.plot_series(study, table) == {"naive": [(32, 0.9, 0.01), (256, 0.8, 0.01)],
                                                    "linear": [(32, 0.9, 0.01), (256, 0.85, 0.01)]}
 
@@ -334,7 +334,7 @@ def test_hparams_dashboard_has_every_finished_run_with_its_config_and_final_figu
                        "optim.lr_per_256": [0.1, 1.0], "schedule.warmup": ["gradual", "none"],
                        "model.sync_bn": [True]}
     assert [info.name.tag for info in experiment.metric_infos] == ["eval_top1", "eval_top5", "wall_time_s",
-                                                                  "images_per_sec"]
+                                                                   "images_per_sec"]
 
 
 def test_refreshing_the_report_rewrites_the_hparams_without_adding_rows(tmp_path):

@@ -95,7 +95,7 @@ def test_a_callback_setting_the_lr_where_the_schedule_is_zero_is_refused_by_name
                       "--config.schedule.decay=step", "--config.schedule.decay_epochs=(1,)",
                       "--config.schedule.decay_factor=0.0")
     with pytest.raises(tfs_config.ConfigError, match="a callback set the LR to 0.05 before step 40, where "
-                                                      "config.schedule's LR is 0"):
+                       "config.schedule's LR is 0"):
         train.train_and_evaluate(cfg, str(tmp_path), extra_callbacks=[SetLearningRate()])
 
 

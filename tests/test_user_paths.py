@@ -96,7 +96,7 @@ def test_a_count_the_user_states_is_kept_and_checked(photo_shards, tmp_path):
     info.adopt(recipe.data, info.facts(recipe.data))  # smoke.py says 640 training examples: not a default
     tfs_config.validate(recipe)
     with pytest.raises(tfs_config.ConfigError, match=r"config.data.num_train_examples=640 but .*manifest-train.json "
-                                                      r"says 20"):
+                       r"says 20"):
         shard_dir.check_against_manifest(recipe.data, photo_shards, "train", recipe.data.num_train_examples)
 
 

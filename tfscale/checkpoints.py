@@ -34,7 +34,6 @@ from tfscale import io
 from tfscale.errors import CheckpointError
 
 
-
 class Checkpoints:
     """Restore-or-init, periodic and final saves, and the step counter of one run."""
 

@@ -99,7 +99,6 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f"FATAL unknown config key among {overrides}: {' '.join(str(message).split())}")
 
 
-
 # The keys this process's command line set (`--config.x.y=v`), recorded by run_cli: a count given there is
 # the user's statement about the data, which the data's own count never replaces (tfscale.data.input.info.adopt).
 _command_line_keys: frozenset[str] = frozenset()

@@ -29,7 +29,6 @@ from tfscale.data.input import assignment  # pure Python, like schedules: neithe
 from tfscale.errors import ConfigError
 
 
-
 # Above this global batch plain SGD loses accuracy even with warmup (Goyal et al. 2017: 8k is the
 # limit of linear scaling); LARS is what carries ResNet-50 past it.
 LARGE_BATCH_WITHOUT_LARS = 8192

@@ -323,6 +323,7 @@ def preflight_all_reduce(strategy: tf.distribute.Strategy) -> None:
     if total != strategy.num_replicas_in_sync:
         raise RuntimeError(f"pre-flight all-reduce counted {total} replicas, expected {strategy.num_replicas_in_sync}")
 
+
 def multi_worker_strategy(dist_cfg, tf_config: dict | None, implementation: str) -> tf.distribute.Strategy:
     """MultiWorkerMirroredStrategy over `tf_config`'s workers (None: this process alone), all-reducing with
     `implementation`; this worker's GPU is already chosen (`devices.prepare_gpus`)."""

@@ -26,13 +26,12 @@ from typing import Callable
 
 import keras
 import ml_collections
-import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tfscale import cli, errors
 from tfscale import config as tfs_config
-from tfscale import distribute, launcher_death, local_sgd, models, optim, schedules
+from tfscale import distribute, launcher_death, models, optim
 from tfscale.data.input import info as data_info
 from tfscale.data.input import loaders, shard_dir
 
@@ -252,10 +251,10 @@ def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learni
     def global_step(iterator, stop_requested):
         return run_replica_step(cluster, replica_step, *next(iterator), stop_requested)
 
-    return _compiled_loop(global_step, optimizer, step, learning_rate)
+    return compiled_loop(global_step, optimizer, step, learning_rate)
 
 
-def _compiled_loop(global_step, optimizer, step: tf.Variable, learning_rate):
+def compiled_loop(global_step, optimizer, step: tf.Variable, learning_rate):
     """`train_loop(iterator, stop_requested, num_steps)` running `global_step` (-> [mean loss, replicas
     stopping]) `num_steps` times in one tf.function, the LR set before and `step` advanced after each."""
 
@@ -275,206 +274,6 @@ def _compiled_loop(global_step, optimizer, step: tf.Variable, learning_rate):
         return losses.stack(), stopping
 
     return train_loop
-
-
-# --- local SGD (tfscale.local_sgd decides when; these functions are the steps and the syncs) -------------
-
-
-def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learning_rate=None,
-                          household_gradients: bool = False):
-    """`make_train_loop`'s local-SGD twin: every replica applies its own gradients (or its household's mean).
-
-    The update is applied outside `strategy.run`, where Keras' `apply_gradients` finds no replica
-    context of the strategy to all-reduce in: each worker's variables take its own step. That holds
-    for one replica per worker process (`check_local_replicas`): a worker's several replicas would
-    all take the first one's step. The loss and the stop flag still travel as one 2-float all-reduce
-    per step, for the logs and for stopping together.
-    """
-    loss_and_grads = make_loss_and_grads(cfg, cluster, model, optimizer, local=True)
-    strategy = cluster.strategy
-    batch_norm_state = [v for v in model.non_trainable_variables if keras.backend.is_float_dtype(v.dtype)]
-
-    def replica_grads(images, labels, stop_requested):
-        loss_share, grads = loss_and_grads(images, labels)
-        if household_gradients:
-            # A household trains synchronously: gradients and BatchNorm statistics averaged inside
-            # it every step (one all-reduce for both), as the whole job does without local SGD.
-            state = [tf.identity(v.value) for v in batch_norm_state]
-            averaged = cluster.mean_over_household([*grads, *state])
-            grads = averaged[:len(grads)]
-            for variable, value in zip(batch_norm_state, averaged[len(grads):]):
-                variable.assign(value)
-        return tf.stack([loss_share, stop_requested]), grads
-
-    def global_step(iterator, stop_requested):
-        loss_and_stop, grads = strategy.run(replica_grads, args=(*next(iterator), stop_requested))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return cluster.sum_over_processes(strategy.reduce(tf.distribute.ReduceOp.SUM, loss_and_stop, axis=None))
-
-    return _compiled_loop(global_step, optimizer, step, learning_rate)
-
-
-def check_local_replicas(cluster) -> None:
-    """Local SGD runs one replica per worker process (one GPU per task, or Horovod's one rank per GPU)."""
-    if cluster.num_replicas != cluster.size:
-        raise errors.ConfigError(
-            f"config.distribute.sync='local_sgd' needs one replica per worker process, but {cluster.size} process(es) "
-            f"run {cluster.num_replicas} replicas (backend {cluster.backend!r}): start one task per GPU (Slurm "
-            "--ntasks-per-node = GPUs per node) with backend mwms, or use backend horovod")
-
-
-def synced_state(model, optimizer, *, sync_slots: bool) -> list:
-    """What a local-SGD sync averages: weights, BatchNorm statistics and (`sync_slots`) the optimizer's
-    per-variable slots (momentum), not its step count or learning rate, which every worker shares."""
-    state = [v for v in model.variables if keras.backend.is_float_dtype(v.dtype)]
-    if sync_slots:
-        state += [v for v in optimizer.variables if keras.backend.is_float_dtype(v.dtype)
-                  and v.path.rsplit("/", 1)[-1] not in ("iteration", "learning_rate")]
-    return state
-
-
-def make_state_sync(cluster, variables, *, household: bool, counter: tf.Variable):
-    """`sync()`: `variables` averaged over all replicas (world sync) or over each household, in one
-    fused all-reduce; `counter` counts the calls (checkpointed, so the count survives a resume)."""
-    strategy = cluster.strategy
-    mean = cluster.mean_over_household if household else cluster.mean_over_replicas
-
-    def replica_mean():
-        return mean([tf.identity(_tf_variable(v)) for v in variables])  # this replica's copies
-
-    @tf.function
-    def sync():
-        means = strategy.run(replica_mean)
-        with strategy.scope():
-            for variable, value in zip(variables, means):
-                strategy.extended.update(_tf_variable(variable), _assign, args=(value,), group=False)
-        counter.assign_add(1)
-
-    return sync
-
-
-def _tf_variable(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def _assign(variable, value):
-    return variable.assign(value)
-
-
-def sync_counters(cluster, plan: local_sgd.SyncPlan) -> dict[str, tf.Variable]:
-    """Local SGD's counts of weight all-reduces, checkpointed with the run (none without local SGD)."""
-    if not plan.local:
-        return {}
-    with cluster.strategy.scope():
-        return {name: tf.Variable(0, dtype=tf.int64, trainable=False, name=name)
-                for name in ("world_syncs", "household_syncs")}
-
-
-class LearningRate:
-    """The LR the compiled loop sets before every step: `schedule` (config.schedule) as a float32 table on
-    device, indexed by the run's step counter, times `scale`.
-
-    `scale` is 1 until a Keras callback sets the optimizer's LR between two loops (ReduceLROnPlateau,
-    at an epoch's end): the loop's next start finds the LR changed (`follow_callbacks`) and scales the
-    schedule by the callback's factor from there on, so the warmup or decay goes on from the LR the
-    callback chose. It needs no checkpoint entry: the optimizer's LR variable is saved with the
-    optimizer, so a resumed run reads the scale back from it (`resume`). Every worker sees the same
-    metrics, runs the same callbacks and so takes the same scale.
-    """
-
-    def __init__(self, schedule: schedules.Schedule, optimizer, cluster):
-        self.schedule, self.optimizer = schedule, optimizer
-        self._table = tf.constant(schedule.table(), tf.float32)
-        with cluster.strategy.scope():
-            self.scale = tf.Variable(1.0, dtype=tf.float32, trainable=False, name="lr_scale")
-        self._set_by_loop = None  # the LR the last loop left in the optimizer; None before this process's first
-
-    def __call__(self, step: tf.Tensor) -> tf.Tensor:
-        """The LR of global step `step` (a tensor), inside the compiled loop."""
-        return tf.gather(self._table, tf.minimum(step, self.schedule.total_steps - 1)) * self.scale
-
-    def resume(self, start_step: int) -> None:
-        """After a restore at `start_step`: the scale a callback had set, from the LR the optimizer saved."""
-        scheduled = float(np.float32(self.schedule(start_step - 1))) if start_step > 0 else 0.0  # as tabulated
-        if scheduled > 0:
-            self.scale.assign(float(self.optimizer.learning_rate.numpy()) / scheduled)  # exactly 1 if no callback
-            self.loop_ended()
-
-    def loop_ended(self) -> None:
-        """Call right after each loop, before the callbacks see it."""
-        self._set_by_loop = float(self.optimizer.learning_rate.numpy())
-
-    def follow_callbacks(self, step: int) -> None:
-        """Before the loop starting at `step`: a callback that changed the LR scales the schedule from here on."""
-        if self._set_by_loop is None:
-            return
-        now = float(self.optimizer.learning_rate.numpy())
-        if now == self._set_by_loop:
-            return
-        if self._set_by_loop == 0.0:
-            raise errors.ConfigError(
-                f"a callback set the LR to {now:g} before step {step}, where config.schedule's LR is 0: a scale of "
-                "the schedule cannot follow it; change config.schedule (e.g. schedule.warmup_init_lr) instead")
-        factor = now / self._set_by_loop
-        self.scale.assign(float(self.scale.numpy()) * factor)
-        self._set_by_loop = now
-        logging.info("a callback set the LR to %g before step %d: config.schedule is scaled by %g from here on "
-                     "(x%g in all)", now, step, factor, float(self.scale.numpy()))
-
-
-class Loops:
-    """The compiled loops of a run and local SGD's syncs between them (tfscale.local_sgd decides when)."""
-
-    def __init__(self, run: Run, plan: local_sgd.SyncPlan, model, optimizer, step, learning_rate: LearningRate,
-                 counts):
-        cfg, cluster = run.cfg, run.cluster
-        self.plan, self.counts, self.learning_rate = plan, counts, learning_rate
-        self.synchronous = make_train_loop(cfg, cluster, model, optimizer, step=step, learning_rate=learning_rate)
-        if not plan.local:
-            return
-        check_local_replicas(cluster)
-        self.local = make_local_train_loop(cfg, cluster, model, optimizer, step=step, learning_rate=learning_rate,
-                                                  household_gradients=plan.household_gradients)
-        self.state = synced_state(model, optimizer, sync_slots=cfg.distribute.sync_slots)
-        self.world_sync = make_state_sync(cluster, self.state, household=False, counter=counts["world_syncs"])
-        self.household_sync = make_state_sync(cluster, self.state, household=True,
-                                                     counter=counts["household_syncs"])
-        self.values_per_sync = sum(int(np.prod(v.shape)) for v in self.state)
-        logging.info("local SGD: world sync every %d steps (%s) from step %d, %s; a sync averages %d values in one "
-                     "all-reduce", plan.sync_period, "weights, BatchNorm statistics"
-                     + (" and optimizer slots" if cfg.distribute.sync_slots else ""), plan.local_from_step,
-                     _households_text(plan), self.values_per_sync)
-
-    def loop_for(self, step: int):
-        """The loop that runs the steps starting at `step`."""
-        return self.local if self.plan.is_local(step) else self.synchronous
-
-    def after(self, step: int) -> None:
-        """The sync due after the step ending at `step`, if any."""
-        if self.plan.world_sync_due(step):
-            self.world_sync()
-        elif self.plan.household_sync_due(step):
-            self.household_sync()
-
-    def report(self, final_step: int) -> dict:
-        """Summary figures of the communication local SGD did; logged as well."""
-        if not self.plan.local:
-            return {}
-        world, household = (int(self.counts[name].numpy()) for name in ("world_syncs", "household_syncs"))
-        local_steps = max(0, final_step - self.plan.local_from_step)
-        logging.info("local SGD: %d world syncs (weight all-reduces of %d values) and %d household syncs in %d local "
-                     "steps; %d synchronous steps before them", world, self.values_per_sync, household, local_steps,
-                     min(final_step, self.plan.local_from_step))
-        return {"world_syncs": world, "household_syncs": household, "local_steps": local_steps}
-
-
-def _households_text(plan: local_sgd.SyncPlan) -> str:
-    if plan.households == plan.num_replicas:
-        return "every worker on its own between syncs"
-    inside = ("household gradients averaged every step" if plan.household_gradients
-              else f"household weights averaged every {plan.household_period} steps")
-    return f"{plan.households} households of {plan.num_replicas // plan.households} workers ({inside})"
-
 
 
 # --- evaluation -------------------------------------------------------------------------------------
@@ -524,7 +323,7 @@ def train_dataset(run: Run, start_step: int, skipped_images: tf.Variable | None 
     cfg = run.cfg
     return run.cluster.distribute_dataset(
         loaders.train_input_fn(cfg.data, seed=cfg.seed, start_step=start_step, data_dir=run.data_dir,
-                                skipped_images=skipped_images)
+                               skipped_images=skipped_images)
     )
 
 
@@ -533,5 +332,5 @@ def eval_dataset(run: Run):
     cfg, steps = run.cfg, run.steps
     return run.cluster.distribute_dataset(
         loaders.eval_input_fn(cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size,
-                               num_steps=steps.eval_steps, data_dir=run.data_dir)
+                              num_steps=steps.eval_steps, data_dir=run.data_dir)
     )

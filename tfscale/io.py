@@ -39,9 +39,6 @@ _TFRECORD_FRAMING_BYTES = 8 + 4 + 4
 MANIFEST_GLOBS = (MANIFEST_FORMAT.format(split="*"), LEGACY_MANIFEST_FORMAT.format(split="*"))  # every split
 
 
-
-
-
 def tfrecord_spans(path: str, *, open_file=open, size_bytes: int | None = None) -> tuple[list[tuple[int, int]], bool]:
     """(offset, length) in bytes of every whole record of a TFRecord file, and whether the file ends where
     its last record does (False: truncated, the spans are the records before the cut).
@@ -64,7 +61,6 @@ def tfrecord_spans(path: str, *, open_file=open, size_bytes: int | None = None) 
             spans.append((position, length))
             position += length
     return spans, True
-
 
 
 def write_error(path: str, err: BaseException) -> WriteError:

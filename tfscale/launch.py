@@ -39,7 +39,6 @@ BACKENDS = ("mwms", "horovod")
 HOROVOD_MISSING = f"backend horovod needs Horovod: {HOROVOD_INSTALL_HINT}"
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Cluster environment
 

@@ -37,8 +37,8 @@ _THESIS = "the thesis tfscale follows: Horovod + tf_cnn_benchmarks on P100 nodes
 
 def _system(name: str, gpus_per_node: int, inter_GBps: float, sources: dict) -> plan_model.System:
     return plan_model.System(name=name, gpus_per_node=gpus_per_node, gpu_images_per_sec=0.0,
-                       intra_node_GBps=PCIE3_X16_GBPS, intra_node_latency_us=PCIE_RING_STEP_US,
-                       inter_node_GBps=inter_GBps, inter_node_latency_us=NET_RING_STEP_US, sources=sources)
+                             intra_node_GBps=PCIE3_X16_GBPS, intra_node_latency_us=PCIE_RING_STEP_US,
+                             inter_node_GBps=inter_GBps, inter_node_latency_us=NET_RING_STEP_US, sources=sources)
 
 
 _PCIE_SOURCE = "PCIe Gen3 x16 between a node's GPUs: NCCL topo.h PCI_BW 12 GB/s, ring step 5.7 us (tuning.cc)"
@@ -147,7 +147,7 @@ def _series_inputs(series: Series) -> tuple[plan_model.Workload, plan_model.Syst
     one = series.one_gpu or dict(series.images_per_sec)[1]
     system = dataclasses.replace(SYSTEMS[series.system], gpu_images_per_sec=one)
     workload = plan_model.Workload(model=series.model, per_gpu_batch=series.per_gpu_batch,
-                             layers=model_layers(series.model), **series.implementation)
+                                   layers=model_layers(series.model), **series.implementation)
     return workload, system
 
 

@@ -1,7 +1,7 @@
 """Learning-rate schedules as pure functions of the global step.
 
 `make_schedule(cfg, ...)` returns a `Schedule`: `schedule(step) -> float`, and the float32 `table()` of
-every step of the run that the compiled training loop reads on device (engine.LearningRate). Because
+every step of the run that the compiled training loop reads on device (loops.LearningRate). Because
 the LR depends on nothing but the global step, a run resumed from a checkpoint and every worker of a
 multi-node job compute the same curve. This module imports neither TensorFlow nor
 Keras, so it is cheap to import (config validation uses `check`) and testable in plain Python.

@@ -29,10 +29,12 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import callbacks as tfs_callbacks
-from tfscale import checkpoints, ema, engine, init_from, io, local_sgd, schedules
+from tfscale import checkpoints, ema, engine, init_from, io, local_sgd, local_sgd_steps, schedules
 from tfscale import config as tfs_config
+from tfscale import loops as tfs_loops
 from tfscale import workdir as workdirs
 from tfscale.data.input import assignment, faults, pipeline
+
 
 def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> dict:
     """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns the summary.
@@ -83,7 +85,7 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     model, optimizer = engine.build_model_and_optimizer(cfg, run.cluster)
     plan = local_sgd.make_plan(cfg.distribute, num_replicas=run.cluster.num_replicas,
                                steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps)
-    sync_counts = engine.sync_counters(run.cluster, plan)
+    sync_counts = local_sgd_steps.sync_counters(run.cluster, plan)
     ckpts = checkpoints.Checkpoints(workdir, run.cluster, model=model, optimizer=optimizer,
                                     max_to_keep=cfg.checkpoint.max_to_keep, extra=sync_counts)
     # config.model.init_from applies to a fresh run only: resuming wins over it.
@@ -102,11 +104,11 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
         steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps, log_every_steps=cfg.train.log_every_steps,
         extra_fields=count_skipped,
     )
-    learning_rate = engine.LearningRate(_schedule(run), optimizer, run.cluster)
+    learning_rate = tfs_loops.LearningRate(_schedule(run), optimizer, run.cluster)
     learning_rate.resume(start_step)
     callback_list = _callback_list(run, workdir, model, logger, extra_callbacks)
     run_eval = _evaluator(run, model, callback_list)
-    loops = engine.Loops(run, plan, model, optimizer, ckpts.step, learning_rate, sync_counts)
+    loops = tfs_loops.Loops(run, plan, model, optimizer, ckpts.step, learning_rate, sync_counts)
     start_time = time.time()
     if _eval_missing_at(run, plan, start_step, logged):  # stopped at an eval step before its eval ran
         run_eval(start_step)
@@ -142,7 +144,7 @@ def _eval_missing_at(run: engine.Run, plan: local_sgd.SyncPlan, start_step: int,
 
 
 def _schedule(run: engine.Run) -> schedules.Schedule:
-    """config.schedule over this run's steps: the LR the training loop sets on device (engine.LearningRate)."""
+    """config.schedule over this run's steps: the LR the training loop sets on device (tfs_loops.LearningRate)."""
     cfg, steps = run.cfg, run.steps
     return schedules.make_schedule(cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=steps.steps_per_epoch,
                                    total_steps=steps.train_steps, num_replicas=run.cluster.num_replicas)
@@ -195,7 +197,7 @@ def _evaluator(run: engine.Run, model, callback_list):
     return run_eval
 
 
-def _train_loop(run, model, loops: engine.Loops, ckpts, callback_list, run_eval, stop_requested, start_step: int,
+def _train_loop(run, model, loops: tfs_loops.Loops, ckpts, callback_list, run_eval, stop_requested, start_step: int,
                 skipped_images: tf.Variable | None) -> dict:
     """Loops of steps from `start_step` to the end (or a callback's stop); returns the last eval's metrics.
 

@@ -23,8 +23,6 @@ from tfscale.errors import DaliIndexError, TruncatedShard
 INDEX_DIR_NAME = "dali-index"
 
 
-
-
 def index_dir(data_dir: str, configured: str = "") -> str:
     """Where the indexes of the shards in `data_dir` go: `configured`, or `data_dir/dali-index`."""
     return configured or os.path.join(data_dir, INDEX_DIR_NAME)

@@ -72,14 +72,14 @@ def decode_device(dali_decode: str, num_gpus: int, local_replicas: int = 1) -> s
     if num_gpus == 0:
         if dali_decode == "mixed":
             raise errors.ConfigError("config.data.dali_decode='mixed' decodes on a GPU and this process sees none: "
-                              "use 'cpu' (or 'auto')")
+                                     "use 'cpu' (or 'auto')")
         return "cpu"
     if local_replicas > 1:
         why = (f"this worker process feeds {local_replicas} replicas (config.distribute.backend='mirrored'?) from one "
                "DALI pipeline, whose GPU decoding would run on one of their GPUs")
         if dali_decode == "mixed":
             raise errors.ConfigError(f"config.data.dali_decode='mixed': {why}. Run one process per GPU "
-                              "(config.distribute.backend='mwms' or 'horovod'), or use config.data.dali_decode='cpu'")
+                                     "(config.distribute.backend='mwms' or 'horovod'), or use config.data.dali_decode='cpu'")
         logging.warning("DALI decodes on the CPU (config.data.dali_decode='auto'): %s; for GPU decoding run one "
                         "process per GPU (config.distribute.backend='mwms' or 'horovod')", why)
         return "cpu"

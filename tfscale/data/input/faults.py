@@ -31,7 +31,6 @@ from tfscale import io as tfio
 from tfscale.errors import CorruptDataError
 
 
-
 @contextlib.contextmanager
 def fatal_on_data_faults():
     """A data fault inside the block ends the process with one line, `FATAL data error: ...`, and its exit

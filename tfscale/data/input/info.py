@@ -88,7 +88,7 @@ def tfds_builder(data_cfg: ml_collections.ConfigDict):
         builder = tfds.builder(data_cfg.tfds_name, data_dir=data_cfg.data_dir)
     except tfds.core.registered.DatasetNotFoundError as err:
         raise errors.MissingDataError(f"config.data.tfds_name={data_cfg.tfds_name!r}: no such TFDS dataset, and none "
-                                f"prepared under that name in config.data.data_dir={data_cfg.data_dir!r}") from err
+                                      f"prepared under that name in config.data.data_dir={data_cfg.data_dir!r}") from err
     if not builder.is_prepared():
         raise errors.MissingDataError(
             f"TFDS dataset {data_cfg.tfds_name!r} is not prepared in config.data.data_dir={data_cfg.data_dir!r}; "
@@ -101,7 +101,7 @@ def _split_info(builder, split: str, key: str):
         return builder.info.splits[split]
     except (KeyError, ValueError) as err:
         raise errors.ConfigError(f"config.data.{key}={split!r} is not a split of TFDS dataset {builder.info.full_name} "
-                          f"(it has {', '.join(sorted(builder.info.splits))})") from err
+                                 f"(it has {', '.join(sorted(builder.info.splits))})") from err
 
 
 def _label_feature(builder):
@@ -112,7 +112,7 @@ def _label_feature(builder):
     label = features["label"] if "label" in features else None
     if "image" not in features or not isinstance(label, tfds.features.ClassLabel):
         raise errors.ConfigError(f"TFDS dataset {builder.info.full_name} has features {sorted(features)}: tfscale trains "
-                          "on an 'image' feature with a ClassLabel 'label'")
+                                 "on an 'image' feature with a ClassLabel 'label'")
     return label
 
 

@@ -71,8 +71,8 @@ from tfscale.data.stage import stage_copy
 from tfscale.data.stage.stage_copy import BYTES_PER_MB, READ_ATTEMPTS, READ_RETRY_FIRST_DELAY_S, VERIFY_MODES, ReadRetry
 from tfscale.data.stage.stage_plan import Readers, Shard, parse_ranks, plan
 from tfscale.data.stage.stage_state import (LOCK_FILE, PARTIAL_PREFIX, SHARD_LIST_FILE, STATE_FILE, StageError,
-                                      acquire_lock, load_state, read_shard_list, remove_partial_files,
-                                      save_shard_lists, save_state)
+                                            acquire_lock, load_state, read_shard_list, remove_partial_files,
+                                            save_shard_lists, save_state)
 
 # The names users of staging (the input pipeline, job scripts, tests) reach through this module.
 __all__ = ["LOCK_FILE", "PARTIAL_PREFIX", "SHARD_LIST_FILE", "STATE_FILE", "VERIFY_MODES", "Readers", "StageError",

@@ -32,7 +32,6 @@ _LOCK_POLL_MAX_S = 0.1  # how late a waiter may notice the copier is done
 _ATOMICALLY_WRITTEN = (STATE_FILE, SHARD_LIST_FILE, *tfio.MANIFEST_GLOBS)
 
 
-
 # --------------------------------------------------------------------------------------- records
 
 
