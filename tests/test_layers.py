@@ -37,7 +37,7 @@ LAYERS = [
     # the schema and its validation
     ["config"],
     # pure building blocks: no tfscale imports but errors
-    ["models", "optim", "ema", "schedules", "local_sgd", "collectives", "allreduce_bench", "scaling", "plan_model",
+    ["models", "model_stats", "optim", "ema", "schedules", "local_sgd", "collectives", "allreduce_bench", "scaling", "plan_model",
      "slurm_env", "launcher_death", "logs", "data.input.assignment", "data.input.preprocess",
      "data.input.batch_augment", "data.input.synthetic", "data.convert.val_labels"],
     ["errors", "tfscale", "data", "data.input", "data.convert", "data.stage"],

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfscale import model_stats
 from tfscale import config as tfs_config
 from tfscale import models
 
@@ -80,7 +81,7 @@ def _batch_norm_layers(model, suffix):
 
 @pytest.mark.parametrize("name", IMAGENET_NAMES)
 def test_imagenet_trainable_params_match_torchvision(name, small_models):
-    stats = models.describe(small_models(name))  # the count does not depend on the input size
+    stats = model_stats.describe(small_models(name))  # the count does not depend on the input size
     assert stats["trainable_params"] == TORCHVISION_PARAMS[name]
     # `params` additionally counts the BN moving mean and variance: 2 per trainable (gamma, beta) pair.
     bn_gamma_beta = sum(
@@ -91,7 +92,7 @@ def test_imagenet_trainable_params_match_torchvision(name, small_models):
 
 
 def test_cifar_resnet20_has_about_0_27m_params(small_models):
-    stats = models.describe(small_models("cifar_resnet20"))
+    stats = model_stats.describe(small_models("cifar_resnet20"))
     assert 260_000 <= stats["trainable_params"] <= 280_000
 
 
@@ -99,14 +100,14 @@ def test_resnet50_flops_at_224():
     # torchvision lists ResNet-50 (v1.5) at 4.09 "GFLOPS", which are multiply-adds; at 2 FLOPs per
     # multiply-add that is 8.18e9.  (He et al.'s 3.8e9 is for v1, stride in the first 1x1.)
     model = models.create("resnet50", 1000, (224, 224, 3))
-    flops = models.describe(model)["flops_per_image"]
+    flops = model_stats.describe(model)["flops_per_image"]
     assert flops == pytest.approx(8.2e9, rel=0.02)
 
 
 def test_describe_needs_fixed_input_size():
     model = models.create("cifar_resnet8", 10, (None, None, 3))
     with pytest.raises(ValueError, match="fixed input"):
-        models.describe(model)
+        model_stats.describe(model)
 
 
 def test_resnet50_is_v1_5_with_stride_in_the_3x3_conv(small_models):
@@ -208,7 +209,7 @@ def test_channels_first_builds_with_same_size(name):
     num_classes, input_shape = _small_setup(name)
     nhwc = models.create(name, num_classes, input_shape)
     nchw = models.create(name, num_classes, input_shape, data_format="channels_first")
-    assert models.describe(nchw) == models.describe(nhwc)
+    assert model_stats.describe(nchw) == model_stats.describe(nhwc)
     assert tuple(nchw.get_layer("to_channels_first").output.shape) == (None, 3, *input_shape[:2])
     assert all(layer.axis == [1] or layer.axis == 1 for layer in _batch_norm_layers(nchw, ""))
     assert all(layer.data_format == "channels_first"

@@ -29,7 +29,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale import cli, errors
+from tfscale import cli, errors, model_stats
 from tfscale import config as tfs_config
 from tfscale import distribute, launcher_death, models, optim
 from tfscale.data.input import info as data_info
@@ -130,7 +130,7 @@ def build_model_and_optimizer(cfg: ml_collections.ConfigDict, cluster) -> tuple[
     # What standard Keras callbacks look for; fit() would set them, and tfscale never calls compile/fit.
     model.optimizer = optimizer
     model.stop_training = False
-    info = models.describe(model)
+    info = model_stats.describe(model)
     logging.info("model %s: %d parameters, %.3g GFLOPs/image", cfg.model.name, info["params"], info["flops_per_image"] / 1e9)
     return model, optimizer
 

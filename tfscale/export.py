@@ -35,7 +35,7 @@ to it and renamed into place. A single-process tool: run it once, not under tfsc
 
 from __future__ import annotations
 
-from tfscale import errors, logs
+from tfscale import logs
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -45,7 +45,6 @@ import platform
 import shutil
 import tempfile
 import time
-from typing import NamedTuple
 
 import keras
 import ml_collections
@@ -54,9 +53,8 @@ import tensorflow as tf
 from absl import flags, logging
 
 import tfscale
-from tfscale import cli, ema, engine, init_from, io, models
-from tfscale.errors import ConfigError
-from tfscale.data.input import info
+from tfscale import cli, ema, engine, init_from, models
+from tfscale.data.input import info as data_info
 from tfscale.data.input import preprocess, shard_dir
 
 SIGNATURE = "serving_default"
@@ -65,14 +63,6 @@ SAVED_MODEL_DIR = "saved_model"
 LABELS_FILE = "labels.txt"
 EXPORT_JSON = "export.json"
 _TOP_K = 5
-
-
-class ClassNames(NamedTuple):
-    """Names of the model's outputs (names[i] is class id i), or None with the reason in `source`."""
-
-    names: list[str] | None
-    texts: list[str] | None
-    source: str
 
 
 # --- the model --------------------------------------------------------------------------------------
@@ -166,46 +156,10 @@ def _check_same_outputs(model: keras.Model, clone: keras.Model, image_size: int)
         raise AssertionError(f"the core-Keras copy of the model differs by up to {np.abs(expected - got).max()}")
 
 
-# --- class names ------------------------------------------------------------------------------------
-
-
-def class_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
-    """Output names from the training shards' manifest; None (and why) when there are none."""
-    if data_cfg.dataset != "tfrecord":
-        return ClassNames(None, None, f"none: config.data.dataset={data_cfg.dataset!r} has no class names")
-    where = f"conversion manifest of split {data_cfg.train_split!r} in {data_cfg.data_dir}"
-    if not tf.io.gfile.isdir(data_cfg.data_dir):
-        return ClassNames(None, None, f"none: config.data.data_dir={data_cfg.data_dir!r} is not a directory here")
-    manifest = io.read_manifest(data_cfg.data_dir, data_cfg.train_split)
-    if manifest is None:
-        return ClassNames(None, None, f"none: no {where} (shards from another tool)")
-    classes = manifest["classes"]
-    texts = manifest.get("class_texts") or classes
-    stored_labels = manifest.get("class_labels") or [i + manifest["label_offset"] for i in range(len(classes))]
-    by_label = {label: (name, text) for label, name, text in zip(stored_labels, classes, texts)}
-    # Output i of the model was trained on stored label i + label_offset.
-    wanted = [i + data_cfg.label_offset for i in range(data_cfg.num_classes)]
-    missing = [label for label in wanted if label not in by_label]
-    if missing:
-        return ClassNames(None, None, f"none: the {where} has no class for stored label {missing[0]}")
-    return ClassNames([by_label[label][0] for label in wanted], [by_label[label][1] for label in wanted], where)
-
-
-def tfds_class_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
-    """Output names of a run on a TFDS dataset: its label feature's names (TFDS labels are 0-based, as the outputs)."""
-    try:
-        names, source = info.tfds_class_names(data_cfg)
-    except (errors.MissingDataError, ConfigError) as err:
-        return ClassNames(None, None, f"none: {err}")
-    if len(names) != data_cfg.num_classes:
-        return ClassNames(None, None, f"none: {source} names {len(names)} classes, the model has {data_cfg.num_classes}")
-    return ClassNames(names, names, f"TFDS dataset info {source}")
-
-
 # --- the SavedModel ---------------------------------------------------------------------------------
 
 
-def serving_function(model: keras.Model, data_cfg: ml_collections.ConfigDict, names: ClassNames):
+def serving_function(model: keras.Model, data_cfg: ml_collections.ConfigDict, names: data_info.ClassNames):
     """tf.function: encoded images tf.string [N] -> the outputs listed in the module docstring."""
     image_size = data_cfg.image_size
     top_k = min(_TOP_K, data_cfg.num_classes)
@@ -233,7 +187,7 @@ def serving_function(model: keras.Model, data_cfg: ml_collections.ConfigDict, na
     return serve
 
 
-def write_saved_model(model: keras.Model, data_cfg: ml_collections.ConfigDict, names: ClassNames, path: str) -> None:
+def write_saved_model(model: keras.Model, data_cfg: ml_collections.ConfigDict, names: data_info.ClassNames, path: str) -> None:
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint(SIGNATURE, serving_function(model, data_cfg, names))
@@ -270,7 +224,7 @@ def _versions() -> dict:
             "tfscale": tfscale.__version__}
 
 
-def export_info(run: init_from.RestoredRun, workdir: str, output_dir: str, names: ClassNames) -> dict:
+def export_info(run: init_from.RestoredRun, workdir: str, output_dir: str, names: data_info.ClassNames) -> dict:
     """The contents of export.json."""
     cfg = run.cfg
     outputs = {
@@ -320,7 +274,7 @@ def export_info(run: init_from.RestoredRun, workdir: str, output_dir: str, names
 # --- writing ----------------------------------------------------------------------------------------
 
 
-def _write_artifacts(run: init_from.RestoredRun, names: ClassNames, info: dict, directory: str) -> None:
+def _write_artifacts(run: init_from.RestoredRun, names: data_info.ClassNames, info: dict, directory: str) -> None:
     clone = core_keras_model(run.model)
     _check_same_outputs(run.model, clone, run.cfg.data.image_size)
     clone.save(os.path.join(directory, KERAS_FILE))
@@ -363,7 +317,7 @@ def export(workdir: str, output_dir: str | None = None, checkpoint: str | None =
     if data_cfg.dataset == "tfrecord":  # labels.txt would name the train split's classes: eval must agree
         shard_dir.check_same_classes(data_cfg)
     run = restore_for_inference(workdir, checkpoint)
-    names = tfds_class_names(run.cfg.data) if run.cfg.data.dataset == "tfds" else class_names(run.cfg.data)
+    names = data_info.output_class_names(run.cfg.data)
     if names.names is None:
         logging.warning("exporting without class names: %s", names.source)
     info = export_info(run, workdir, output_dir, names)

@@ -77,11 +77,11 @@ def model_layers(cfg) -> tuple[list[tuple[int, int]], int]:
     and the bytes of its non-trainable float weights (BatchNorm's moving statistics)."""
     import numpy as np
 
-    from tfscale import models
+    from tfscale import model_stats, models  # Keras, only when a config's model is planned
 
     model = models.create_from_config(cfg)
     frozen = sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in model.non_trainable_weights)
-    return models.layer_costs(model), int(frozen)
+    return model_stats.layer_costs(model), int(frozen)
 
 
 # --- output --------------------------------------------------------------------------------------------------

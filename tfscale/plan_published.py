@@ -123,14 +123,14 @@ def model_layers(name: str) -> tuple[tuple[int, int], ...]:
     """(gradient bytes, forward FLOPs) per layer of the published runs' models, from their Keras definitions."""
     import keras
 
-    from tfscale import models
+    from tfscale import model_stats, models
 
     builders = {
         "inception_v3": lambda: keras.applications.InceptionV3(weights=None),
         "vgg16": lambda: keras.applications.VGG16(weights=None),
     }
     model = builders[name]() if name in builders else models.create(name, num_classes=1000, input_shape=(224, 224, 3))
-    return tuple(models.layer_costs(model))
+    return tuple(model_stats.layer_costs(model))
 
 
 # Each system's one calibration run, (model, batch per GPU, GPUs): its first multi-node point of a middle

@@ -21,6 +21,7 @@ import os
 from typing import NamedTuple
 
 import ml_collections
+import tensorflow as tf
 from absl import logging
 
 from tfscale import errors
@@ -156,3 +157,52 @@ def tfds_class_names(data_cfg: ml_collections.ConfigDict) -> tuple[list[str], st
     """(names of the TFDS dataset's classes, label i first, where they were read); label offset is 0 for TFDS."""
     builder = tfds_builder(data_cfg)
     return list(_label_feature(builder).names), os.path.join(builder.data_dir, "dataset_info.json")
+
+
+# --- the names of a model's outputs (export) ---------------------------------------------------------
+
+
+class ClassNames(NamedTuple):
+    """Names of the model's outputs (names[i] is class id i), or None with the reason in `source`."""
+
+    names: list[str] | None
+    texts: list[str] | None
+    source: str
+
+
+def output_class_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
+    """The names of a model's outputs trained on `data_cfg`'s data: from the shards' manifest or TFDS's info."""
+    return _tfds_output_names(data_cfg) if data_cfg.dataset == "tfds" else _manifest_class_names(data_cfg)
+
+
+def _manifest_class_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
+    """Output names from the training shards' manifest; None (and why) when there are none."""
+    if data_cfg.dataset != "tfrecord":
+        return ClassNames(None, None, f"none: config.data.dataset={data_cfg.dataset!r} has no class names")
+    where = f"conversion manifest of split {data_cfg.train_split!r} in {data_cfg.data_dir}"
+    if not tf.io.gfile.isdir(data_cfg.data_dir):
+        return ClassNames(None, None, f"none: config.data.data_dir={data_cfg.data_dir!r} is not a directory here")
+    manifest = tfio.read_manifest(data_cfg.data_dir, data_cfg.train_split)
+    if manifest is None:
+        return ClassNames(None, None, f"none: no {where} (shards from another tool)")
+    classes = manifest["classes"]
+    texts = manifest.get("class_texts") or classes
+    stored_labels = manifest.get("class_labels") or [i + manifest["label_offset"] for i in range(len(classes))]
+    by_label = {label: (name, text) for label, name, text in zip(stored_labels, classes, texts)}
+    # Output i of the model was trained on stored label i + label_offset.
+    wanted = [i + data_cfg.label_offset for i in range(data_cfg.num_classes)]
+    missing = [label for label in wanted if label not in by_label]
+    if missing:
+        return ClassNames(None, None, f"none: the {where} has no class for stored label {missing[0]}")
+    return ClassNames([by_label[label][0] for label in wanted], [by_label[label][1] for label in wanted], where)
+
+
+def _tfds_output_names(data_cfg: ml_collections.ConfigDict) -> ClassNames:
+    """Output names of a run on a TFDS dataset: its label feature's names (TFDS labels are 0-based, as the outputs)."""
+    try:
+        names, source = tfds_class_names(data_cfg)
+    except (errors.MissingDataError, errors.ConfigError) as err:
+        return ClassNames(None, None, f"none: {err}")
+    if len(names) != data_cfg.num_classes:
+        return ClassNames(None, None, f"none: {source} names {len(names)} classes, the model has {data_cfg.num_classes}")
+    return ClassNames(names, names, f"TFDS dataset info {source}")
