@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO, load_config, run_cli
 
-from tfscale import baselines, benchmark
-from tfscale import config as tfs_config
+from tfscale import baselines, benchmark, validation
 from tfscale.data.convert import convert
 
 
@@ -201,4 +200,4 @@ def test_keras_fit_comparison_refuses_several_workers(tmp_path):
 def test_profile_window_rejects_malformed(window):
     cfg = load_config("smoke", f"--config.profile_steps={window}")
     with pytest.raises(ValueError, match="config.profile_steps"):
-        tfs_config.validate(cfg)
+        validation.validate(cfg)

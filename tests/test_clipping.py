@@ -22,7 +22,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import REPO, frozen_bn_model_and_optimizer, load_config, read_jsonl, run_cli  # noqa: E402
 
-from tfscale import local_sgd_steps
+from tfscale import local_sgd_steps, validation
 from tfscale import config as tfs_config  # noqa: E402
 from tfscale import distribute, engine, init_from, optim  # noqa: E402
 from tfscale.data.input import pipeline  # noqa: E402
@@ -129,7 +129,7 @@ def test_mirrored_two_devices_clip_the_summed_gradient():
                                         ("optim.label_smoothing", -0.1)])
 def test_out_of_range_values_are_refused_naming_the_key(key, value):
     with pytest.raises(tfs_config.ConfigError, match=f"config.{key}"):
-        tfs_config.validate(load_config("smoke", f"--config.{key}={value}"))
+        validation.validate(load_config("smoke", f"--config.{key}={value}"))
 
 
 # --- through the CLI: the first step's logged loss is the smoothed loss, its update the clipped one -------

@@ -9,6 +9,7 @@ import pytest
 from absl import flags
 from conftest import REPO, load_config, run_cli
 
+from tfscale import validation
 from tfscale import config as tfs_config
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
@@ -45,7 +46,7 @@ def test_every_config_loads_and_validates(path, tmp_path):
     cfg = load_config(os.path.splitext(os.path.basename(path))[0] + ARGUMENT.get(os.path.basename(path), ""))
     if cfg.data.dataset == "tfrecord":
         cfg.data.data_dir = str(tmp_path)
-    tfs_config.validate(cfg, num_replicas=REPLICAS.get(os.path.basename(path), 1))
+    validation.validate(cfg, num_replicas=REPLICAS.get(os.path.basename(path), 1))
     steps = tfs_config.to_steps(cfg)
     assert steps.train_steps >= 1 and steps.steps_per_epoch >= 1
 
@@ -54,46 +55,46 @@ def test_every_config_loads_and_validates(path, tmp_path):
 def test_recipes_train_on_the_shards_they_are_given(name, tmp_path):
     cfg = load_config(name, f"--config.data.data_dir={tmp_path}")
     assert cfg.data.dataset == "tfrecord"
-    tfs_config.validate(cfg)
+    validation.validate(cfg)
     assert cfg.data.label_offset == 1  # ImageNet-layout shards: 1-based labels
 
 
 @pytest.mark.parametrize("name", ["r50_1gpu", "r50_32gpu", "cifar_resnet20"])
 def test_recipe_without_data_dir_names_the_key_and_the_converter(name):
     with pytest.raises(ValueError, match=r"config\.data\.data_dir .*tfscale-convert .*dataset=synthetic"):
-        tfs_config.validate(load_config(name))
+        validation.validate(load_config(name))
 
 
 def test_missing_data_dir_is_named(tmp_path):
     with pytest.raises(ValueError, match=rf"config\.data\.data_dir='{tmp_path}/nope' is not a directory.*tfscale-convert"):
-        tfs_config.validate(load_config("r50_1gpu", f"--config.data.data_dir={tmp_path}/nope"))
+        validation.validate(load_config("r50_1gpu", f"--config.data.data_dir={tmp_path}/nope"))
 
 
 @pytest.mark.parametrize("key", ["data_dir", "stage_dir", "tfds_name"])
 def test_synthetic_data_with_a_data_source_is_refused(key, tmp_path):
     cfg = load_config("r50_32gpu", "--config.data.dataset=synthetic", f"--config.data.{key}={tmp_path}")
     with pytest.raises(ValueError, match=rf"config\.data\.{key}=.* config\.data\.dataset='synthetic'"):
-        tfs_config.validate(cfg)
+        validation.validate(cfg)
 
 
 def test_synthetic_stays_one_override_away():
     cfg = load_config("r50_32gpu", "--config.data.dataset=synthetic")
-    tfs_config.validate(cfg, num_replicas=32)
+    validation.validate(cfg, num_replicas=32)
     assert cfg.data.label_offset == 0
 
 
 def test_label_offset_follows_the_dataset(tmp_path):
     tfds = load_config("r50_1gpu", "--config.data.dataset=tfds", "--config.data.tfds_name=imagenet2012",
                        f"--config.data.data_dir={tmp_path}")
-    tfs_config.validate(tfds)
+    validation.validate(tfds)
     assert tfds.data.label_offset == 0
     explicit = load_config("r50_1gpu", f"--config.data.data_dir={tmp_path}", "--config.data.label_offset=0")
-    tfs_config.validate(explicit)
+    validation.validate(explicit)
     assert explicit.data.label_offset == 0  # an explicit value is kept
     bad = load_config("r50_1gpu", "--config.data.dataset=tfds", "--config.data.tfds_name=imagenet2012",
                       f"--config.data.data_dir={tmp_path}", "--config.data.label_offset=1")
     with pytest.raises(ValueError, match=r"label_offset=1 with config\.data\.dataset='tfds'.*0-based"):
-        tfs_config.validate(bad)
+        validation.validate(bad)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -104,18 +105,18 @@ def test_label_offset_follows_the_dataset(tmp_path):
 def test_contradicting_data_keys_are_refused(overrides, message, tmp_path):
     cfg = load_config("r50_1gpu", f"--config.data.data_dir={tmp_path}", *overrides)
     with pytest.raises(ValueError, match=message):
-        tfs_config.validate(cfg)
+        validation.validate(cfg)
 
 
 def test_recipe_on_fewer_replicas_says_so_and_how_to_scale(tmp_path):
     cfg = load_config("r50_32gpu", f"--config.data.data_dir={tmp_path}")
-    tfs_config.validate(cfg, num_replicas=32)
+    validation.validate(cfg, num_replicas=32)
     with pytest.raises(ValueError, match=(
         r"1 replica\(s\), so each would take 4096 images .*written for 32 replicas .*"
         r"--config\.data\.global_batch_size=128 ")):
-        tfs_config.validate(cfg, num_replicas=1)
+        validation.validate(cfg, num_replicas=1)
     scaled = load_config("r50_32gpu", f"--config.data.data_dir={tmp_path}", "--config.data.global_batch_size=512")
-    tfs_config.validate(scaled, num_replicas=4)  # 128 per GPU on 4 GPUs: the recipe at a smaller batch
+    validation.validate(scaled, num_replicas=4)  # 128 per GPU on 4 GPUs: the recipe at a smaller batch
     assert scaled.optim.lr == pytest.approx(0.2)
 
 
@@ -137,7 +138,7 @@ def test_r50_32gpu_is_the_goyal_recipe():
     assert cfg.optim.lr == pytest.approx(1.6)
     assert (cfg.optim.momentum, cfg.optim.weight_decay) == (0.9, 1e-4)
     assert (cfg.schedule.warmup, cfg.schedule.warmup_epochs) == ("gradual", 5.0)
-    assert tfs_config.decay_boundaries(cfg.schedule, cfg.train.epochs) == (30, 60, 80)
+    assert validation.decay_boundaries(cfg.schedule, cfg.train.epochs) == (30, 60, 80)
     assert cfg.schedule.decay_factor == 0.1 and cfg.train.epochs == 90.0
     assert tfs_config.to_steps(cfg).steps_per_epoch == 1_281_167 // 4096
 
@@ -146,19 +147,19 @@ def test_shortened_recipe_keeps_the_shape_of_its_step_decay():
     """r50_1gpu cut to 2 epochs decays at the same shares of the run (30, 60, 80 of 90), recorded in the config;
     boundaries given in epochs stay as given, and ones beyond the run say which override to add."""
     cut = load_config("r50_1gpu", "--config.data.dataset=synthetic", "--config.train.epochs=2")
-    tfs_config.validate(cut)
+    validation.validate(cut)
     assert tuple(cut.schedule.decay_epochs) == (0.6667, 1.3333, 1.7778)
     given = load_config("r50_1gpu", "--config.data.dataset=synthetic", "--config.train.epochs=2",
                         "--config.schedule.decay_epochs=(1,)")
-    tfs_config.validate(given)
+    validation.validate(given)
     assert tuple(given.schedule.decay_epochs) == (1,)
     beyond = load_config("fmnist_resnet", "--config.data.dataset=synthetic", "--config.train.epochs=2")
     with pytest.raises(tfs_config.ConfigError, match=r"decay_epochs=\(4, 8, 11\) has boundary 11 beyond "
                        r"config.train.epochs=2.0.*--config.schedule.decay_fractions="):
-        tfs_config.validate(beyond)
+        validation.validate(beyond)
     wrong = load_config("r50_1gpu", "--config.data.dataset=synthetic", "--config.schedule.decay_fractions=(0.5, 30.0)")
     with pytest.raises(tfs_config.ConfigError, match=r"decay_fractions=\(0.5, 30.0\) must lie in \(0, 1\]"):
-        tfs_config.validate(wrong)
+        validation.validate(wrong)
 
 
 def test_batch_override_rescales_linked_lr():
@@ -210,14 +211,14 @@ def test_missing_config_file_names_it():
 )
 def test_validate_names_key_and_value(overrides, message):
     with pytest.raises(ValueError, match=message):
-        tfs_config.validate(smoke(**overrides))
+        validation.validate(smoke(**overrides))
 
 
 def test_impossible_batch_split_is_refused_with_nearest_sizes():
     cfg = smoke(data__global_batch_size=30, data__eval_global_batch_size=60)
     with pytest.raises(ValueError, match=r"global_batch_size=30 cannot be split evenly over 4 replicas.*28 or 32"):
-        tfs_config.validate(cfg, num_replicas=4)
-    tfs_config.validate(cfg, num_replicas=3)  # 30 / 3 is fine
+        validation.validate(cfg, num_replicas=4)
+    validation.validate(cfg, num_replicas=3)  # 30 / 3 is fine
 
 
 def test_to_steps_converts_epochs_once():
@@ -235,11 +236,11 @@ def test_large_batch_without_lars_warns(caplog):
     cfg = parse(f"--config={REPO}/configs/r50_32gpu.py", "--config.data.global_batch_size=16384",
                 "--config.data.dataset=synthetic")
     with caplog.at_level("WARNING"):
-        tfs_config.validate(cfg, num_replicas=128)
+        validation.validate(cfg, num_replicas=128)
     assert "global_batch_size=16384 exceeds 8192" in caplog.text and "LARS" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        tfs_config.validate(parse(f"--config={REPO}/configs/r50_lars_32k.py", "--config.data.dataset=synthetic"),
+        validation.validate(parse(f"--config={REPO}/configs/r50_lars_32k.py", "--config.data.dataset=synthetic"),
                             num_replicas=256)
     assert "exceeds" not in caplog.text
 
@@ -284,10 +285,10 @@ def test_dispatch_names_equal_the_implementing_modules():
 def test_validate_does_not_import_tensorflow():
     script = (
         "import sys\n"
-        "import tfscale.config\n"
+        "import tfscale.config, tfscale.validation\n"
         "cfg = tfscale.config.base_config()\n"
         "cfg.data.dataset = 'synthetic'\n"
-        "tfscale.config.validate(cfg, num_replicas=1)\n"
+        "tfscale.validation.validate(cfg, num_replicas=1)\n"
         "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'tensorflow', 'keras'})\n"
         "assert not loaded, loaded\n"
     )
@@ -305,5 +306,5 @@ def test_validate_does_not_import_tensorflow():
 def test_ghost_batch_norm_groups_must_tile_each_replicas_batch(overrides, num_replicas, message):
     cfg = load_config("smoke", *overrides)
     with pytest.raises(tfs_config.ConfigError, match=message):
-        tfs_config.validate(cfg, num_replicas=num_replicas)
-    tfs_config.validate(load_config("smoke", "--config.model.bn_group_size=8"), num_replicas=2)  # 16 = 2 x 8
+        validation.validate(cfg, num_replicas=num_replicas)
+    validation.validate(load_config("smoke", "--config.model.bn_group_size=8"), num_replicas=2)  # 16 = 2 x 8

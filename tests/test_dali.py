@@ -19,7 +19,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, load_config, quiet_env, read_jsonl, run_cli, without_tf_import_notices
-from tfscale.config import ConfigError, validate
+from tfscale.errors import ConfigError
+from tfscale.validation import validate
 from tfscale.data.convert import dali_index
 from tfscale.data.input import loaders, pipeline, preprocess, shard_dir
 

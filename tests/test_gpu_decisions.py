@@ -14,6 +14,7 @@ import sys
 import pytest
 from conftest import REPO, load_config, run_cli
 
+from tfscale import validation
 from tfscale import config as tfs_config
 from tfscale import devices
 from tfscale.config import ConfigError
@@ -139,9 +140,9 @@ def test_sync_bn_inside_an_xla_step_is_refused_under_mwms_naming_both_keys():
                       "--config.jit_compile=True")
     with pytest.raises(ConfigError, match=r"config.model.sync_bn=True with config.jit_compile=True under "
                                           r"config.distribute.backend='mwms'"):
-        tfs_config.validate(cfg)
+        validation.validate(cfg)
     for allowed in (("--config.jit_compile=False",), ("--config.model.sync_bn=False",)):
-        tfs_config.validate(load_config("smoke", "--config.distribute.backend=mwms", "--config.model.sync_bn=True",
+        validation.validate(load_config("smoke", "--config.distribute.backend=mwms", "--config.model.sync_bn=True",
                                         "--config.jit_compile=True", *allowed))
 
 
@@ -165,8 +166,8 @@ def test_horovod_fp16_compression_needs_loss_scaled_float16(precision):
     cfg = load_config("smoke", "--config.distribute.backend=horovod", "--config.distribute.horovod_fp16_allreduce=True",
                       f"--config.precision={precision}")
     with pytest.raises(ConfigError, match=rf"horovod_fp16_allreduce=True with config.precision='{precision}'"):
-        tfs_config.validate(cfg)
-    tfs_config.validate(load_config("smoke", "--config.distribute.backend=horovod",
+        validation.validate(cfg)
+    validation.validate(load_config("smoke", "--config.distribute.backend=horovod",
                                     "--config.distribute.horovod_fp16_allreduce=True",
                                     "--config.precision=mixed_float16"))
 

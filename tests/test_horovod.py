@@ -17,7 +17,7 @@ from conftest import REPO
 from test_multiworker import (DRIVER, assert_weights_close, kill_rank1_once_training, logged_steps, quiet_env,
                               read_log, sigterm_then_resume, start_workers, weights)
 
-from tfscale import horovod_start
+from tfscale import horovod_start, validation
 from tfscale import config as tfs_config
 from tfscale import collectives, distribute, launch
 
@@ -171,7 +171,7 @@ def test_sync_bn_with_horovod_is_refused():
     cfg.distribute.backend = "horovod"
     cfg.model.sync_bn = True
     with pytest.raises(ValueError, match="model.sync_bn=True needs a tf.distribute backend"):
-        tfs_config.validate(cfg)
+        validation.validate(cfg)
 
 
 def test_horovod_rank_loss_is_averaged_over_its_own_batch():

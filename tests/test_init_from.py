@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import load_config
 
+from tfscale import validation
 from tfscale import config as tfs_config
 from tfscale import engine, export, init_from, train
 
@@ -211,4 +212,4 @@ def test_workdir_without_checkpoint_fails_naming_it(tmp_path):
 def test_validate_rejects_a_missing_source(tmp_path):
     missing = str(tmp_path / "nothing_here.keras")
     with pytest.raises(ValueError, match=f"config.model.init_from='{missing}' does not exist"):
-        tfs_config.validate(load_config("smoke", f"--config.model.init_from={missing}"))
+        validation.validate(load_config("smoke", f"--config.model.init_from={missing}"))

@@ -33,8 +33,8 @@ LAYERS = [
     # the run's services: cluster, launcher, checkpoints, workdir, callbacks, command line, studies' records
     ["distribute", "launch", "callbacks", "checkpoints", "workdir", "cli", "init_from", "study_hparams"],
     ["connect", "horovod_start", "io", "supervise", "plan_published"],
-    ["devices"],
-    # the schema and its validation
+    ["devices", "validation"],
+    # the schema (validation.py checks a config against it)
     ["config"],
     # pure building blocks: no tfscale imports but errors
     ["models", "model_stats", "optim", "ema", "schedules", "local_sgd", "collectives", "allreduce_bench", "scaling", "plan_model",

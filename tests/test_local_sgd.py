@@ -19,9 +19,9 @@ from conftest import REPO, load_config
 from test_multiworker import (DRIVER, assert_weights_close, first_errors, logged_steps, quiet_env, read_log,
                               sigterm_then_resume, start_workers, wait_all, weights)
 
-from tfscale import local_sgd_steps
+from tfscale import local_sgd_steps, validation
 from tfscale import config as tfs_config
-from tfscale import engine, local_sgd
+from tfscale import local_sgd
 
 # 16 steps of global batch 32 (16 per worker), one step per loop so that every step's weights are seen.
 SHORT = ["--config=configs/smoke.py", "--config.train.epochs=0.8", "--config.schedule.warmup_epochs=0.25",
@@ -135,13 +135,13 @@ def test_calculator_tool_prints_the_example():
 ])
 def test_config_errors_name_key_and_value(overrides, message):
     with pytest.raises(tfs_config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        tfs_config.validate(load_config("smoke", *overrides))
+        validation.validate(load_config("smoke", *overrides))
 
 
 def test_households_must_divide_the_replicas():
     cfg = load_config("smoke", *LOCAL, "--config.distribute.households=3", "--config.distribute.backend=mwms")
     with pytest.raises(tfs_config.ConfigError, match="households=3 must divide the 4 replicas"):
-        tfs_config.validate(cfg, num_replicas=4)
+        validation.validate(cfg, num_replicas=4)
 
 
 def test_local_sgd_needs_one_replica_per_process():

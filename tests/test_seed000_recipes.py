@@ -5,6 +5,7 @@ import os
 import pytest
 from conftest import load_config, run_cli
 
+from tfscale import validation
 from tfscale import config as tfs_config
 from tfscale import schedules
 from tfscale.configs import seed000_r50
@@ -13,7 +14,7 @@ from tfscale.configs import seed000_r50
 def lr_at_epoch_starts(method, *overrides, epochs=(0, 1, 2, 3, 4, 5, 6, 9, 10, 29, 30, 59, 60, 79, 80, 89)):
     # Any existing directory passes for the shards: nothing is read.
     cfg = load_config(f"seed000_r50:{method}", f"--config.data.data_dir={os.path.dirname(__file__)}", *overrides)
-    tfs_config.validate(cfg, num_replicas=32)
+    validation.validate(cfg, num_replicas=32)
     steps = tfs_config.to_steps(cfg)
     lr = schedules.make_schedule(cfg.schedule, base_lr=cfg.optim.lr, steps_per_epoch=steps.steps_per_epoch,
                                  total_steps=steps.train_steps, num_replicas=32)

@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, load_config, quiet_env
 from scipy import stats
 
+from tfscale import validation
 from tfscale import study as tfs_study
 
 STUDY_FILE = '''
@@ -375,14 +376,12 @@ STUDY_FILES = sorted(glob.glob(os.path.join(REPO, "studies", "*.py")))
 def cell_config(path: str, cell: str):
     """The config a cell's first run trains with, parsed as tfscale.train parses it, and validated (with
     data.data_dir pointed at a directory that exists: the study's own is made by its conversion step)."""
-    from tfscale import config as tfs_config
-
     study = tfs_study.load_study(path)
     match = [c for c in tfs_study.cells_of(study) if c.name == cell]
     name = os.path.splitext(os.path.basename(study["config"]))[0]
     cfg = load_config(name, *tfs_study.run_overrides(study, match[0], study["seeds"][0]),
                       f"--config.data.data_dir={REPO}")
-    tfs_config.validate(cfg, num_replicas=match[0].num_workers)
+    validation.validate(cfg, num_replicas=match[0].num_workers)
     return cfg, study
 
 

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, checkpoint_values, frozen_bn_model_and_optimizer, load_config, read_jsonl, stop_at_step
 
+from tfscale import validation
 from tfscale import config as tfs_config
 from tfscale import distribute, engine, launch, local_sgd, train
 from tfscale.collectives import HorovodCollectives
@@ -175,15 +176,15 @@ def test_accumulation_reduces_gradients_once_per_update():
 def test_micro_batch_must_divide_the_replica_batch():
     cfg = load_config("smoke", "--config.optim.grad_accum_steps=3")
     with pytest.raises(ValueError, match=r"optim.grad_accum_steps=3 does not divide the per-replica batch 32"):
-        tfs_config.validate(cfg, num_replicas=1)
+        validation.validate(cfg, num_replicas=1)
 
 
 def test_the_32_gpu_recipe_runs_on_4_gpus_by_accumulating_8_micro_batches(tmp_path):
     cfg = load_config("r50_32gpu", f"--config.data.data_dir={tmp_path}")
     with pytest.raises(ValueError, match=r"--config.optim.grad_accum_steps=8 \(gradient accumulation\)"):
-        tfs_config.validate(cfg, num_replicas=4)
+        validation.validate(cfg, num_replicas=4)
     cfg = load_config("r50_32gpu", f"--config.data.data_dir={tmp_path}", "--config.optim.grad_accum_steps=8")
-    tfs_config.validate(cfg, num_replicas=4)  # 4 x 8 micro-batches of 128: the recipe's global batch 4096
+    validation.validate(cfg, num_replicas=4)  # 4 x 8 micro-batches of 128: the recipe's global batch 4096
     assert cfg.optim.lr == 1.6 and tfs_config.to_steps(cfg).train_steps == 90 * (1_281_167 // 4096)
 
 

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, load_config, run_cli
 
+from tfscale import validation
 from tfscale import config as tfs_config
 from tfscale.data.convert import convert
 from tfscale.data.input import info, pipeline, shard_dir
@@ -94,7 +95,7 @@ def test_a_count_the_user_states_is_kept_and_checked(photo_shards, tmp_path):
 
     recipe = load_config("smoke", "--config.data.dataset=tfrecord", f"--config.data.data_dir={photo_shards}")
     info.adopt(recipe.data, info.facts(recipe.data))  # smoke.py says 640 training examples: not a default
-    tfs_config.validate(recipe)
+    validation.validate(recipe)
     with pytest.raises(tfs_config.ConfigError, match=r"config.data.num_train_examples=640 but .*manifest-train.json "
                        r"says 20"):
         shard_dir.check_against_manifest(recipe.data, photo_shards, "train", recipe.data.num_train_examples)
@@ -187,6 +188,6 @@ def test_tfds_split_of_fewer_files_than_workers_is_refused_by_name(imagenet_tfds
                  "has 2 workers", "num_shards=2", "at most 1 worker(s)", "tfscale-convert"):
         assert part in message, message
     two_workers = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=0, num_replicas_in_sync=2)
-    tfs_config.validate(cfg)
+    validation.validate(cfg)
     with pytest.raises(ValueError, match=r"`num_shards=1` but `num_input_pipelines=2`"):
         pipeline.train_input_fn(cfg.data, seed=0, start_step=0)(two_workers)

@@ -30,7 +30,7 @@ all-reduce run alone on gradient-sized tensors; `update_and_other` = compute - b
 
 from __future__ import annotations
 
-from tfscale import cli, logs
+from tfscale import cli, logs, validation
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -48,7 +48,6 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import callbacks as tfs_callbacks
-from tfscale import config as tfs_config
 from tfscale import engine, io
 from tfscale.data.input import faults, loaders
 
@@ -375,7 +374,7 @@ def run_input_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     """Mode input: tfscale's input pipeline against the baselines, one process, no model."""
     from tfscale import baselines  # the pipelines tfscale's input is compared with
 
-    tfs_config.validate(cfg)
+    validation.validate(cfg)
     if cfg.data.dataset != "tfrecord":
         raise ValueError("config.benchmark.mode='input' needs config.data.dataset='tfrecord' and data_dir")
     report = {"mode": "input", **baselines.compare_input_pipelines(cfg), "versions": versions(), "host": host_info()}

@@ -24,7 +24,7 @@ work; their speed means nothing there). Throughput runs only on a GPU.
 
 from __future__ import annotations
 
-from tfscale import errors, horovod_start, logs
+from tfscale import errors, horovod_start, logs, validation
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -166,7 +166,7 @@ def _step_config(precision: str, image_size: int, batch: int) -> tfs_config.ml_c
     cfg = tfs_config.base_config()
     cfg.data.dataset, cfg.data.image_size, cfg.data.global_batch_size = "synthetic", image_size, batch
     cfg.precision, cfg.jit_compile = precision, True
-    tfs_config.validate(cfg)
+    validation.validate(cfg)
     return cfg
 
 

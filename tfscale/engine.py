@@ -29,7 +29,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale import cli, errors, model_stats
+from tfscale import cli, errors, model_stats, validation
 from tfscale import config as tfs_config
 from tfscale import distribute, launcher_death, models, optim
 from tfscale.data.input import info as data_info
@@ -57,10 +57,10 @@ def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Clus
     launcher_death.follow_launcher()
     found = data_info.facts(cfg.data)  # counts still at ImageNet-1k's defaults become the data's own
     data_info.adopt(cfg.data, found, chosen=cli.command_line_keys())
-    tfs_config.validate(cfg)
+    validation.validate(cfg)
     data_info.check_tfds_counts(cfg.data, found)
     cluster = distribute.setup(cfg.distribute)
-    tfs_config.validate(cfg, num_replicas=cluster.num_replicas)
+    validation.validate(cfg, num_replicas=cluster.num_replicas)
     data_info.check_tfds_files(cfg.data, num_workers=cluster.size)
     _check_xla_sync_bn_devices(cfg, cluster.strategy.extended.worker_devices)
     if before_data is not None:

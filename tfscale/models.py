@@ -166,7 +166,7 @@ class GhostBatchNormalization(layers.BatchNormalization):
     (ghost batch norm, Hoffer et al. 2017): one device with batch G x group_size normalises as G replicas of
     group_size with per-replica BatchNorm do, and updates the moving statistics with the mean of the groups'
     statistics, as tfscale's replicas average theirs after each step. Inference and frozen layers are plain
-    BatchNorm. The batch must be a multiple of `group_size` (config.validate checks the per-replica batch).
+    BatchNorm. The batch must be a multiple of `group_size` (validation.validate checks the per-replica batch).
     """
 
     def __init__(self, group_size: int, **kwargs):

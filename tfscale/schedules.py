@@ -281,7 +281,7 @@ def make_schedule(schedule_cfg, *, base_lr: float, steps_per_epoch: int, total_s
     num_replicas: workers x devices; only the 'horovod' warmup uses it (it starts at base_lr / size).
 
     Everything that does not depend on the step is resolved here, so the returned function is a couple
-    of float operations per call. Run `check()` first (config.validate does) for readable errors about
+    of float operations per call. Run `check()` first (validation.validate does) for readable errors about
     epochs; this function only rejects what it cannot compute with.
     """
     if steps_per_epoch < 1 or total_steps < 1 or num_replicas < 1:

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import tensorflow as tf  # noqa: E402
 
+from tfscale import validation
 from tfscale import baselines, engine  # noqa: E402
 from tfscale import config as tfs_config  # noqa: E402
 from tfscale.data.input import pipeline  # noqa: E402
@@ -39,7 +40,7 @@ def _config():
     cfg.data.image_size, cfg.data.num_classes = 32, 10
     cfg.data.global_batch_size = _BATCH.value
     cfg.data.num_train_examples = _BATCH.value * _STEPS.value
-    tfs_config.validate(cfg)
+    validation.validate(cfg)
     return cfg
 
 

@@ -38,7 +38,7 @@ import shlex
 import subprocess
 import sys
 
-from tfscale import errors
+from tfscale import errors, validation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runs from a checkout too, without `pip install -e .`
@@ -171,17 +171,15 @@ def check_data_request(cfg, args: argparse.Namespace, overrides: list[str]) -> N
 
 
 def check_config(cfg, nodes: int, tasks: int) -> None:
-    """tfscale.config.validate, then again for the job's replica count (one replica per task): errors
+    """tfscale.validation.validate, then again for the job's replica count (one replica per task): errors
     about the split name it, the others are the config's alone."""
-    from tfscale import config as tfs_config
-
     try:
-        tfs_config.validate(cfg)
+        validation.validate(cfg)
     except ValueError as err:
         raise UsageError(str(err)) from err
     replicas = nodes * tasks
     try:
-        tfs_config.validate(cfg, num_replicas=replicas)
+        validation.validate(cfg, num_replicas=replicas)
     except ValueError as err:
         raise UsageError(f"{nodes} nodes x {tasks} tasks = {replicas} replicas: {err}") from err
 
