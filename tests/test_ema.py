@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, checkpoint_values, load_config, read_jsonl
 
-from tfscale import ema, engine, export, init_from, optim, train
+from tfscale import checkpoints, ema, engine, export, init_from, optim, train, workdir_layout
 
 DECAY = 0.9  # small enough that the average over 20 steps is far from the last weights
 TINY = (  # 20 steps of the smoke recipe, one step per loop so callbacks see the weights of every step
@@ -176,13 +176,18 @@ def test_eval_reports_raw_and_ema_metrics(runs):
     assert not any(key.endswith("_ema") for key in raw_summary)
 
 
+def newest_checkpoint(workdir: str) -> str:
+    """The prefix of the run's newest checkpoint (the model and its optimizer, EMA included, restore from it)."""
+    return checkpoints.listed_checkpoints(workdir_layout.checkpoints(workdir))[0]
+
+
 def test_eval_of_the_checkpoint_with_ema_swapped_in_matches_the_summary(runs):
     workdir, summary, _ = runs["ema"]
     cfg = init_from.read_run_config(workdir)
     run = engine.setup(cfg)
     model, optimizer = engine.build_model_and_optimizer(cfg, run.cluster)
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
-        init_from.latest_checkpoint(workdir)).assert_existing_objects_matched().expect_partial()
+        newest_checkpoint(workdir)).assert_existing_objects_matched().expect_partial()
     eval_step = engine.make_eval_step(cfg, run.cluster, model)
     with ema.swapped_in(model, optimizer):
         results = engine.evaluate(eval_step, engine.eval_dataset(run), run.steps.eval_steps)
@@ -228,7 +233,7 @@ def test_export_writes_the_ema_weights(runs, tmp_path):
     model = engine.build_model(cfg)
     optimizer = engine.build_optimizer(cfg, model)
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
-        init_from.latest_checkpoint(workdir)).assert_existing_objects_matched().expect_partial()
+        newest_checkpoint(workdir)).assert_existing_objects_matched().expect_partial()
     probe = np.random.default_rng(1).integers(0, 256, size=(4, 32, 32, 3), dtype=np.uint8)
     raw_logits = model(probe, training=False).numpy()
     with ema.swapped_in(model, optimizer):

@@ -213,3 +213,17 @@ def test_validate_rejects_a_missing_source(tmp_path):
     missing = str(tmp_path / "nothing_here.keras")
     with pytest.raises(ValueError, match=f"config.model.init_from='{missing}' does not exist"):
         validation.validate(load_config("smoke", f"--config.model.init_from={missing}"))
+
+
+def test_export_and_init_from_read_the_newest_checkpoint_that_reads_back_whole(tmp_path):
+    """As a resumed run does: a newest checkpoint cut short on the file system is skipped with a warning."""
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(load_config("smoke", "--config.train.epochs=1", "--config.checkpoint.every_epochs=0.5",
+                                         *SHORT), workdir)
+    newest = os.path.join(workdir, "checkpoints", "ckpt-20.data-00000-of-00001")
+    with open(newest, "r+b") as f:
+        f.truncate(os.path.getsize(newest) // 2)
+    restored = init_from.restore_run(workdir, engine.build_model)
+    assert restored.step == 10 and restored.checkpoint.endswith("ckpt-10")
+    info = export.export(workdir)
+    assert info["step"] == 10 and info["checkpoint"].endswith("ckpt-10")

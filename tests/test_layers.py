@@ -31,7 +31,8 @@ LAYERS = [
     ["data.stage.stage_plan", "data.stage.stage_state", "data.convert.sources", "data.convert.parallel",
      "data.convert.dali_index", "data.input.faults", "data.input.info"],
     # the run's services: cluster, launcher, checkpoints, workdir, callbacks, command line, studies' records
-    ["distribute", "launch", "callbacks", "checkpoints", "workdir", "cli", "init_from", "study_hparams"],
+    ["init_from"],
+    ["distribute", "launch", "callbacks", "checkpoints", "workdir", "cli", "study_hparams"],
     ["connect", "horovod_start", "io", "supervise", "plan_published"],
     ["devices", "validation"],
     # the schema (validation.py checks a config against it)
@@ -40,7 +41,7 @@ LAYERS = [
     ["models", "model_stats", "optim", "ema", "schedules", "local_sgd", "collectives", "allreduce_bench", "scaling", "plan_model",
      "slurm_env", "launcher_death", "logs", "data.input.assignment", "data.input.preprocess",
      "data.input.batch_augment", "data.input.synthetic", "data.convert.val_labels"],
-    ["errors", "tfscale", "data", "data.input", "data.convert", "data.stage"],
+    ["errors", "workdir_layout", "tfscale", "data", "data.input", "data.convert", "data.stage"],
 ]
 
 

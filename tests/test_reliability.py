@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import REPO, checkpoint_values, classic_example, load_config, quiet_env, read_jsonl, small_file_system
 
-from tfscale import schedules, workdir
+from tfscale import schedules, workdir_layout
 
 DRIVER = os.path.join(REPO, "tests", "helpers", "train_and_dump.py")
 # The smoke recipe: 20 steps an epoch of global batch 32, eval every 30 steps, checkpoint every 20.
@@ -252,14 +252,14 @@ def test_changed_recipe_is_refused_on_every_worker_and_safe_changes_are_recorded
 
     safe = launch(tmp_path, run, 2, "--config.train.epochs=4", "--config.checkpoint.max_to_keep=5")
     assert safe.returncode == 0, safe.stdout[-3000:]
-    [change] = read_jsonl(run / workdir.HISTORY_NAME)
+    [change] = read_jsonl(run / workdir_layout.HISTORY)
     assert change["changes"] == {"checkpoint.max_to_keep": {"from": 3, "to": 5}, "train.epochs": {"from": 3.0, "to": 4.0}}
     assert summary(run)["steps"] == 80
 
     forced = launch(tmp_path, run, 2, "--config.train.epochs=5", "--config.checkpoint.max_to_keep=5",
                     "--config.optim.weight_decay=0.0", "--config.resume.allow_config_changes=True")
     assert forced.returncode == 0, forced.stdout[-3000:]
-    assert read_jsonl(run / workdir.HISTORY_NAME)[-1]["forced"] is True and summary(run)["steps"] == 100
+    assert read_jsonl(run / workdir_layout.HISTORY)[-1]["forced"] is True and summary(run)["steps"] == 100
 
 
 # --- 4 + 5. two jobs in one workdir; a killed job's lock and replayed rows --------------------------
@@ -270,7 +270,7 @@ def test_second_job_is_refused_and_a_killed_jobs_lock_and_replayed_rows_are_clea
     long_run = ["--config.train.epochs=500", "--config.checkpoint.every_epochs=2"]  # checkpoints every 40 steps
     first, log = start(tmp_path, run, 2, *long_run)
     wait_for(lambda: latest_checkpoint_step(run) >= 40, first, "the first checkpoint")
-    holder = json.load(open(run / workdir.LOCK_NAME))
+    holder = json.load(open(run / workdir_layout.LOCK))
     config_before = open(run / "config.json").read()
 
     started = time.time()
@@ -296,7 +296,7 @@ def test_second_job_is_refused_and_a_killed_jobs_lock_and_replayed_rows_are_clea
     logged = rows(run)
     assert [r["step"] for r in logged] == list(range(10, epochs * 20 + 1, 10))  # each step once
     assert all(a["time"] <= b["time"] for a, b in zip(logged, logged[1:]))  # wall clock on every row
-    assert not os.path.exists(run / workdir.LOCK_NAME)  # released at the end
+    assert not os.path.exists(run / workdir_layout.LOCK)  # released at the end
 
 
 # --- 9. SIGTERM during a checkpoint save, during eval, twice ----------------------------------------
@@ -371,7 +371,7 @@ def test_launcher_killed_mid_training_takes_its_workers_with_a_checkpoint_and_th
     assert "SIGTERM: saving a checkpoint after this step" in output and "sending SIGKILL" not in output
     stopped_at = saved_steps(output)[-1]
     assert 20 < stopped_at < 60 and saved_steps(output).count(stopped_at) == 2, output[-3000:]
-    assert latest_checkpoint_step(run) == stopped_at and not os.path.exists(run / workdir.LOCK_NAME)
+    assert latest_checkpoint_step(run) == stopped_at and not os.path.exists(run / workdir_layout.LOCK)
 
     rerun = launch(tmp_path, run, 2)  # the same command
     assert rerun.returncode == 0, rerun.stdout[-3000:]

@@ -30,7 +30,7 @@ all-reduce run alone on gradient-sized tensors; `update_and_other` = compute - b
 
 from __future__ import annotations
 
-from tfscale import cli, logs, validation
+from tfscale import cli, logs, validation, workdir_layout
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -253,7 +253,7 @@ def run_step_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[di
 
             fit_comparison = baselines.compare_keras_fit(cfg, cluster, model, optimizer, input_fn)
         next_batch = _batch_source(cfg, cluster, input_fn)
-        profiler = tfs_callbacks.profiler_callbacks(cfg.profile_steps, os.path.join(workdir, "tensorboard"),
+        profiler = tfs_callbacks.profiler_callbacks(cfg.profile_steps, workdir_layout.tensorboard(workdir),
                                                     is_chief=cluster.is_chief)
         per_worker_batch = cfg.data.global_batch_size // cluster.size
         steps = run_steps(cfg, next_batch, make_batch_step(cfg, cluster, model, optimizer),

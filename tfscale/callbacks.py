@@ -12,7 +12,6 @@ made here from `is_chief`, not scattered through the loop.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Callable
 
@@ -20,6 +19,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfscale import workdir_layout
 from tfscale import config as tfs_config
 from tfscale import io, optim, schedules
 
@@ -46,8 +46,8 @@ class MetricsLogger(keras.callbacks.Callback):
         self.steps_per_epoch = steps_per_epoch
         self.train_steps = train_steps
         self.log_every_steps = log_every_steps
-        self.metrics_path = os.path.join(workdir, "metrics.jsonl")
-        self.writer, self.writer_dir = None, os.path.join(workdir, "tensorboard")
+        self.metrics_path = workdir_layout.metrics(workdir)
+        self.writer, self.writer_dir = None, workdir_layout.tensorboard(workdir)
         if is_chief:
             try:
                 self.writer = tf.summary.create_file_writer(self.writer_dir)

@@ -30,7 +30,7 @@ from typing import Callable
 import tensorflow as tf
 from absl import logging
 
-from tfscale import io
+from tfscale import io, workdir_layout
 from tfscale.errors import CheckpointError
 
 
@@ -39,7 +39,7 @@ class Checkpoints:
 
     def __init__(self, workdir: str, cluster, *, model, optimizer, max_to_keep: int, extra: dict | None = None):
         """`extra`: more variables to save by name (local SGD's sync counts)."""
-        self.directory = os.path.join(workdir, "checkpoints")
+        self.directory = workdir_layout.checkpoints(workdir)
         self.cluster = cluster
         with cluster.strategy.scope():
             # Keeps its checkpoint key "global_step", so checkpoints of earlier runs restore.
@@ -77,22 +77,8 @@ class Checkpoints:
 
     def _restore_newest_usable(self) -> str | None:
         """Restores the newest checkpoint that reads back whole; its prefix, or None when there is none."""
-        candidates = listed_checkpoints(self.directory)
-        failures = []
-        for prefix in candidates:
-            try:
-                self._checkpoint.restore(prefix).assert_existing_objects_matched()
-                return prefix
-            except Exception as err:  # noqa: BLE001 - TensorFlow's reader raises OpError, ValueError, IndexError...
-                reason = " ".join(str(err).split())[:300]
-                logging.warning("skipping checkpoint %s: it cannot be restored (%s)", prefix, reason)
-                failures.append(f"{prefix} ({reason})")
-        if failures:
-            raise CheckpointError(
-                f"no usable checkpoint in {self.directory}: " + "; ".join(failures) + ". Nothing was deleted; "
-                "restore the files, or move the directory away to train from scratch"
-            )
-        return None
+        return restore_newest_usable(
+            self.directory, lambda prefix: self._checkpoint.restore(prefix).assert_existing_objects_matched())
 
     def save(self, global_step: int) -> None:
         """Saves `global_step` unless it is already saved; every worker calls it (it may be a collective)."""
@@ -109,6 +95,49 @@ class Checkpoints:
         """Discards this worker's scratch directory (only the chief's checkpoints are kept)."""
         if self._manager is not None and not self.cluster.is_chief:
             shutil.rmtree(self._manager.directory, ignore_errors=True)
+
+
+def restore_newest_usable(directory: str, restore: Callable[[str], object]) -> str | None:
+    """Calls `restore(prefix)` on the checkpoints of `directory`, newest first, until one reads back whole;
+    returns its prefix, None when there is none, and raises CheckpointError naming each and why when
+    none can be read (a file lost or cut short on the file system): never an older state in silence."""
+    failures = []
+    for prefix in listed_checkpoints(directory):
+        try:
+            restore(prefix)
+            return prefix
+        except Exception as err:  # noqa: BLE001 - TensorFlow's reader raises OpError, ValueError, IndexError...
+            reason = " ".join(str(err).split())[:300]
+            logging.warning("skipping checkpoint %s: it cannot be restored (%s)", prefix, reason)
+            failures.append(f"{prefix} ({reason})")
+    if failures:
+        raise CheckpointError(
+            f"no usable checkpoint in {directory}: " + "; ".join(failures) + ". Nothing was deleted; "
+            "restore the files, or move the directory away to train from scratch"
+        )
+    return None
+
+
+def restore_model(workdir: str, model, checkpoint: str | None = None) -> tuple[str, int]:
+    """`model`'s weights and the global step from `checkpoint` (a prefix `W/checkpoints/ckpt-N`), or from
+    the newest checkpoint of `workdir` that reads back whole, as a resumed run would; (prefix, step).
+    The checkpoint's optimizer is left out (export and init_from need only the model)."""
+    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    state = tf.train.Checkpoint(model=model, global_step=step)
+
+    def restore(prefix: str) -> None:
+        state.restore(prefix).assert_existing_objects_matched().expect_partial()
+
+    if checkpoint is not None:
+        if not tf.io.gfile.exists(checkpoint + ".index"):
+            raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (no {checkpoint}.index)")
+        restore(checkpoint)
+        return checkpoint, int(step.numpy())
+    directory = workdir_layout.checkpoints(workdir)
+    prefix = restore_newest_usable(directory, restore)
+    if prefix is None:
+        raise FileNotFoundError(f"no checkpoint in {directory}: has the run in {workdir} saved one yet?")
+    return prefix, int(step.numpy())
 
 
 def listed_checkpoints(directory: str) -> list[str]:

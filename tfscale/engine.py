@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable
 
 import keras
 import ml_collections
@@ -46,14 +45,15 @@ class Run:
     data_dir: str  # where the shards are read from (the staged copy when data.stage_dir is set)
 
 
-def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Cluster], None] | None = None) -> Run:
-    """Checks `cfg`, joins the cluster, then checks the data: each failure before anything costlier.
+def setup(cfg: ml_collections.ConfigDict) -> Run:
+    """`join` then `with_data`: the set-up of a run that claims nothing in between (training claims its workdir)."""
+    return with_data(cfg, join(cfg))
 
-    Config mistakes fail before a cluster is waited for; the batch split is checked once the number
-    of replicas is known; missing shards or a manifest mismatch fail before any model is built.
-    `before_data(cluster)` runs between the last two (training claims its workdir there, before staging).
-    A worker of `tfscale.launch` ends (checkpointing, in bounded time) if its launcher dies.
-    """
+
+def join(cfg: ml_collections.ConfigDict) -> distribute.Cluster:
+    """Checks `cfg` and joins the cluster: config mistakes fail before a cluster is waited for, the batch
+    split once the number of replicas is known. A worker of `tfscale.launch` ends (checkpointing, in
+    bounded time) if its launcher dies."""
     launcher_death.follow_launcher()
     found = data_info.facts(cfg.data)  # counts still at ImageNet-1k's defaults become the data's own
     data_info.adopt(cfg.data, found, chosen=cli.command_line_keys())
@@ -63,8 +63,12 @@ def setup(cfg: ml_collections.ConfigDict, before_data: Callable[[distribute.Clus
     validation.validate(cfg, num_replicas=cluster.num_replicas)
     data_info.check_tfds_files(cfg.data, num_workers=cluster.size)
     _check_xla_sync_bn_devices(cfg, cluster.strategy.extended.worker_devices)
-    if before_data is not None:
-        before_data(cluster)
+    return cluster
+
+
+def with_data(cfg: ml_collections.ConfigDict, cluster: distribute.Cluster) -> Run:
+    """The run on `cluster` with its data found (staged first with data.stage_dir): missing shards or a
+    manifest mismatch fail before any model is built."""
     # Each worker stages the train shards it reads: the workers of a node share data.stage_dir and take
     # turns under its lock, so the node's copy ends up with its workers' shards and the eval split.
     data_dir = shard_dir.prepare_data_dir(

@@ -35,7 +35,7 @@ to it and renamed into place. A single-process tool: run it once, not under tfsc
 
 from __future__ import annotations
 
-from tfscale import logs
+from tfscale import logs, workdir_layout
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -202,7 +202,7 @@ def _run_metrics(workdir: str, step: int, weights: str = "raw") -> dict | None:
 
     `weights="ema"`: the metrics of the EMA weights (summary.json's `eval_*_ema`), under the same keys.
     """
-    path = os.path.join(workdir, "summary.json")
+    path = workdir_layout.summary(workdir)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -311,7 +311,7 @@ def _replace_directory(new_dir: str, output_dir: str) -> None:
 def export(workdir: str, output_dir: str | None = None, checkpoint: str | None = None) -> dict:
     """Exports the run in `workdir` into `output_dir` (default `workdir/export`); returns export.json's contents."""
     workdir = os.path.abspath(workdir)
-    output_dir = os.path.abspath(output_dir or os.path.join(workdir, "export"))
+    output_dir = os.path.abspath(output_dir or workdir_layout.export(workdir))
     _check_replaceable(output_dir, workdir)
     data_cfg = init_from.read_run_config(workdir).data
     if data_cfg.dataset == "tfrecord":  # labels.txt would name the train split's classes: eval must agree

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfscale import checkpoints, workdir_layout
 from tfscale import models  # noqa: F401  (registers ImageNormalization for .keras sources)
 from tfscale.errors import ConfigError
 
@@ -57,7 +58,7 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config a training run wrote to `workdir/config.json`."""
     if not os.path.isdir(workdir):
         raise FileNotFoundError(f"workdir {workdir} does not exist or is not a directory")
-    path = os.path.join(workdir, "config.json")
+    path = workdir_layout.config(workdir)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: is {workdir} a tfscale training workdir?")
     with open(path) as f:
@@ -65,15 +66,6 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
             return ml_collections.ConfigDict(json.load(f))
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from err
-
-
-def latest_checkpoint(workdir: str) -> str:
-    """The prefix of the newest checkpoint in `workdir/checkpoints`."""
-    directory = os.path.join(workdir, "checkpoints")
-    latest = tf.train.latest_checkpoint(directory)
-    if not latest:
-        raise FileNotFoundError(f"no checkpoint in {directory}: has the run in {workdir} saved one yet?")
-    return latest
 
 
 def is_checkpoint_prefix(path: str) -> bool:
@@ -93,16 +85,10 @@ def restore_run(workdir: str, build_model: BuildModel, checkpoint: str | None = 
     in force. Only the model is restored; the checkpoint's optimizer slots are not needed.
     """
     cfg = read_run_config(workdir)
-    if checkpoint is None:
-        checkpoint = latest_checkpoint(workdir)
-    elif not is_checkpoint_prefix(checkpoint):
-        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (no {checkpoint}.index)")
     model = build_model(cfg)
-    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    status = tf.train.Checkpoint(model=model, global_step=global_step).restore(checkpoint)
-    # Every model variable must come from the checkpoint; the optimizer in it is deliberately left out.
-    status.assert_existing_objects_matched().expect_partial()
-    return RestoredRun(cfg, model, checkpoint, int(global_step.numpy()))
+    # Every model variable must come from the checkpoint, the newest usable one by default.
+    checkpoint, step = checkpoints.restore_model(workdir, model, checkpoint)
+    return RestoredRun(cfg, model, checkpoint, step)
 
 
 # --- source weights --------------------------------------------------------------------------------

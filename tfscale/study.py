@@ -48,6 +48,7 @@ import time
 
 from absl import app, flags, logging
 
+from tfscale import workdir_layout
 from tfscale import io as tfio
 from tfscale import logs
 from tfscale import study_hparams
@@ -166,7 +167,7 @@ def run_all(study: dict, workdir: str, runs: list[tuple[Cell, int]] | None = Non
     """Every run (or those given) in order, skipping finished ones; a failed run stops the study, naming its log."""
     for cell, seed in runs_of(study) if runs is None else runs:
         directory = run_dir(workdir, cell.name, seed)
-        if os.path.exists(os.path.join(directory, "summary.json")):
+        if os.path.exists(workdir_layout.summary(directory)):
             logging.info("skipping %s seed %d: finished (%s)", cell.name, seed, directory)
             continue
         os.makedirs(directory, exist_ok=True)
@@ -196,7 +197,7 @@ def collect(study: dict, workdir: str) -> dict[str, list[dict]]:
     for cell in cells_of(study):
         runs = []
         for seed in cell.seeds:
-            path = os.path.join(run_dir(workdir, cell.name, seed), "summary.json")
+            path = workdir_layout.summary(run_dir(workdir, cell.name, seed))
             if os.path.exists(path):
                 with open(path) as f:
                     runs.append({"seed": seed, **json.load(f)})

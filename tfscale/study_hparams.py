@@ -30,6 +30,7 @@ import os
 import re
 import socket
 
+from tfscale import workdir_layout
 from tfscale import io as tfio
 
 DIR_NAME = "hparams"  # beside runs/: each run's own tensorboard/ stays as train.py wrote it
@@ -90,7 +91,7 @@ def _read_json(path: str) -> dict | None:
 
 
 def _summary_path(spec: RunSpec) -> str:
-    return os.path.join(spec.directory, "summary.json")
+    return workdir_layout.summary(spec.directory)
 
 
 def run_hparams(spec: RunSpec, config: dict | None) -> dict:
@@ -207,7 +208,7 @@ def write(workdir: str, specs: list[RunSpec]) -> str:
         summary_path = _summary_path(spec)
         summary = _read_json(summary_path)
         if summary is not None:
-            config = _read_json(os.path.join(spec.directory, "config.json"))
+            config = _read_json(workdir_layout.config(spec.directory))
             finished.append((spec, run_hparams(spec, config), summary, os.path.getmtime(summary_path)))
     sessions = one_type_per_key([hparams for _, hparams, _, _ in finished])
     for (spec, _, summary, finished_s), hparams in zip(finished, sessions):

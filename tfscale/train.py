@@ -10,7 +10,7 @@ Why a custom loop: Keras 3 `model.fit` fails under MultiWorkerMirroredStrategy (
 
 from __future__ import annotations
 
-from tfscale import cli, errors, logs
+from tfscale import cli, errors, logs, workdir_layout
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -45,7 +45,9 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
     """
     locks = []
     try:
-        run = engine.setup(cfg, before_data=lambda cluster: locks.extend(_claim_workdir(cluster, workdir, cfg)))
+        cluster = engine.join(cfg)
+        locks = _claim_workdir(cluster, workdir, cfg)  # before staging: a refused run copies nothing
+        run = engine.with_data(cfg, cluster)
         stop_requested, restore_sigterm = _watch_sigterm()
         try:
             with engine.precision_policy(cfg.precision):
@@ -91,7 +93,7 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     # config.model.init_from applies to a fresh run only: resuming wins over it.
     start_step = ckpts.restore_or_init(lambda: init_from.apply(cfg, model, engine.build_model))
     logged = workdirs.trim_metrics(workdir, start_step) if run.cluster.is_chief else []
-    summary_path = os.path.join(workdir, "summary.json")
+    summary_path = workdir_layout.summary(workdir)
     if start_step >= steps.train_steps and os.path.exists(summary_path):
         logging.info("training already complete at step %d; summary in %s", start_step, summary_path)
         with open(summary_path) as f:
@@ -153,7 +155,7 @@ def _schedule(run: engine.Run) -> schedules.Schedule:
 def _callback_list(run: engine.Run, workdir: str, model, logger, extra_callbacks) -> keras.callbacks.CallbackList:
     """The logger (it logs the LR the loop set), the profiler, then the user's."""
     cfg, steps = run.cfg, run.steps
-    profiler = tfs_callbacks.profiler_callbacks(cfg.profile_steps, os.path.join(workdir, "tensorboard"),
+    profiler = tfs_callbacks.profiler_callbacks(cfg.profile_steps, workdir_layout.tensorboard(workdir),
                                                 is_chief=run.cluster.is_chief)
     return keras.callbacks.CallbackList(
         [logger, *profiler, *extra_callbacks], model=model,

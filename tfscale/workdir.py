@@ -35,14 +35,9 @@ import time
 
 from absl import logging
 
-from tfscale import errors, io
+from tfscale import errors, io, workdir_layout
 from tfscale.config import base_config
 from tfscale.errors import ConfigError, WorkdirBusy
-
-LOCK_NAME = "lock.json"
-CONFIG_NAME = "config.json"
-HISTORY_NAME = "config_history.jsonl"
-METRICS_NAME = "metrics.jsonl"
 
 # Keys whose change keeps a resumed run computing what its checkpoint's run computed (fnmatch patterns
 # of dotted keys). Everything else (model, data contents and order, optim, schedule, seed, precision,
@@ -152,7 +147,7 @@ def _describe(holder: dict) -> str:
 
 def acquire(workdir: str, stale_after_s: float, env=os.environ) -> Lock:
     """Takes `workdir`'s lock, or raises WorkdirBusy naming the live holder."""
-    path = os.path.join(workdir, LOCK_NAME)
+    path = workdir_layout.lock(workdir)
     me = _me(env)
     temp = io.temp_path(path)
     with open(temp, "w") as f:
@@ -222,13 +217,13 @@ def is_safe_change(key: str) -> bool:
 
 def has_checkpoint(workdir: str) -> bool:
     """True when a rerun in `workdir` resumes (CheckpointManager's state file exists)."""
-    return os.path.exists(os.path.join(workdir, "checkpoints", "checkpoint"))
+    return os.path.exists(os.path.join(workdir_layout.checkpoints(workdir), "checkpoint"))
 
 
 def check_config(workdir: str, cfg_dict: dict, *, allow_changes: bool) -> dict[str, tuple]:
     """The changes of `cfg_dict` against the workdir's `config.json` when the run resumes; raises
     ConfigError for result-changing ones unless `allow_changes`. A fresh run may change anything."""
-    path = os.path.join(workdir, CONFIG_NAME)
+    path = workdir_layout.config(workdir)
     if not (has_checkpoint(workdir) and os.path.exists(path)):
         return {}
     try:
@@ -254,10 +249,10 @@ def record_config(workdir: str, cfg_dict: dict, changes: dict[str, tuple], force
     if changes:
         row = {"time": round(time.time(), 3), "forced": forced,
                "changes": {key: {"from": old, "to": new} for key, (old, new) in changes.items()}}
-        io.append_line(os.path.join(workdir, HISTORY_NAME), json.dumps(row))
-        logging.warning("resuming with changed config (recorded in %s): %s", HISTORY_NAME,
+        io.append_line(workdir_layout.history(workdir), json.dumps(row))
+        logging.warning("resuming with changed config (recorded in %s): %s", workdir_layout.HISTORY,
                         "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items()))
-    io.write_json(os.path.join(workdir, CONFIG_NAME), cfg_dict, sort_keys=True)
+    io.write_json(workdir_layout.config(workdir), cfg_dict, sort_keys=True)
 
 
 def claim(workdir: str, cfg_dict: dict, resume_cfg) -> Lock:
@@ -270,7 +265,7 @@ def claim(workdir: str, cfg_dict: dict, resume_cfg) -> Lock:
         os.makedirs(workdir, exist_ok=True)
         lock = acquire(workdir, resume_cfg.lock_stale_after_s)
     except OSError as err:
-        raise err if isinstance(err, errors.WriteError) else io.write_error(os.path.join(workdir, LOCK_NAME), err) from err
+        raise err if isinstance(err, errors.WriteError) else io.write_error(workdir_layout.lock(workdir), err) from err
     try:
         changes = check_config(workdir, cfg_dict, allow_changes=resume_cfg.allow_config_changes)
         forced = any(not is_safe_change(key) for key in changes)
@@ -291,7 +286,7 @@ def trim_metrics(workdir: str, start_step: int) -> list[dict]:
     Rows of later steps were logged after the checkpoint the run resumes from and are logged again
     as the steps are replayed; a last line cut short by a kill is dropped too. Rewritten atomically.
     """
-    path = os.path.join(workdir, METRICS_NAME)
+    path = workdir_layout.metrics(workdir)
     try:
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
