@@ -8,7 +8,7 @@ r"""Write a ready-to-submit Slurm batch script for a tfscale run from slurm/{mwm
     sbatch r50_32gpu.sbatch
 
 One task per GPU: nodes x gpus_per_node replicas, which must divide the config's global batch (the
-check is tfscale.config.validate's, so a bad split fails here, naming the nearest valid batch sizes,
+check is tfscale.validation.validate's, so a bad split fails here, naming the nearest valid batch sizes,
 instead of minutes into a queued job). CPU-only nodes: --gpus_per_node=0 --tasks_per_node=T.
 `--config.x.y=v` overrides are validated with the config and passed on to every task unchanged.
 

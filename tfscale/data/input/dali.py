@@ -49,7 +49,7 @@ try:
     import nvidia.dali.tfrecord as tfrec
     from nvidia.dali import fn, math as dali_math, pipeline_def, types
     from nvidia.dali.plugin import tf as dali_tf
-except ImportError as _err:  # config.validate says it first; this covers callers that skip it
+except ImportError as _err:  # validation.validate says it first; this covers callers that skip it
     raise ImportError(f"config.data.loader='dali' needs NVIDIA DALI: {DALI_INSTALL_HINT} ({_err})") from _err
 
 # Random-resized crop, the ranges of tf.data's sample_distorted_bounding_box: area 0.08-1 of the image,
