@@ -73,7 +73,7 @@ def test_readme_step_2_trains_on_a_converted_photo_tree(photo_shards, tmp_path):
     assert any(line.startswith(f"config.data.num_eval_examples=10 from {photo_shards}/manifest-validation.json ")
                for line in adopted)
     assert ("config.schedule.decay_epochs=(0.3333, 0.6667, 0.8889): config.schedule.decay_fractions "
-            "(0.3333, 0.6667, 0.8889) of config.train.epochs=1") in log_lines(result.stderr, "config")
+            "(0.3333, 0.6667, 0.8889) of config.train.epochs=1") in log_lines(result.stderr, "validation")
     workdir = tmp_path / "runs" / "r50"
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["global_batch_size"] == 4

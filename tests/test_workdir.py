@@ -14,7 +14,7 @@ import ml_collections
 import pytest
 from conftest import read_jsonl, small_file_system
 
-from tfscale import errors, io, workdir
+from tfscale import errors, io, workdir, workdir_layout
 from tfscale.config import ConfigError, base_config
 
 
@@ -23,7 +23,7 @@ def resume_cfg(allow=False, stale_after_s=120.0):
 
 
 def write_lock(path, **holder):
-    with open(os.path.join(path, workdir.LOCK_NAME), "w") as f:
+    with open(os.path.join(path, workdir_layout.LOCK), "w") as f:
         json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
                    "slurm_job_id": "", "slurm_restart_count": "0", **holder}, f)
 
@@ -42,7 +42,7 @@ def test_second_holder_is_refused_naming_host_and_pid(tmp_path, live_pid):
     with pytest.raises(workdir.WorkdirBusy, match=rf"in use by pid {live_pid} on host {socket.gethostname()}, "
                                                   r"Slurm job 4242, since \d{4}-"):
         workdir.acquire(str(tmp_path), stale_after_s=120)
-    assert json.load(open(tmp_path / workdir.LOCK_NAME))["pid"] == live_pid  # the holder's lock untouched
+    assert json.load(open(tmp_path / workdir_layout.LOCK))["pid"] == live_pid  # the holder's lock untouched
 
 
 def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
@@ -50,9 +50,9 @@ def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
     dead.wait()
     write_lock(tmp_path, pid=dead.pid)
     lock = workdir.acquire(str(tmp_path), stale_after_s=120)
-    assert json.load(open(tmp_path / workdir.LOCK_NAME))["pid"] == os.getpid()
+    assert json.load(open(tmp_path / workdir_layout.LOCK))["pid"] == os.getpid()
     lock.release()
-    assert not os.path.exists(tmp_path / workdir.LOCK_NAME)
+    assert not os.path.exists(tmp_path / workdir_layout.LOCK)
 
 
 def test_lock_of_an_exited_process_nobody_reaped_is_taken_over(tmp_path):
@@ -75,7 +75,7 @@ def test_other_hosts_lock_is_taken_over_only_when_stale(tmp_path):
     with pytest.raises(workdir.WorkdirBusy, match="node-that-died"):
         workdir.acquire(str(tmp_path), stale_after_s=60)
     old = time.time() - 61
-    os.utime(tmp_path / workdir.LOCK_NAME, (old, old))
+    os.utime(tmp_path / workdir_layout.LOCK, (old, old))
     workdir.acquire(str(tmp_path), stale_after_s=60).release()
 
 
@@ -90,7 +90,7 @@ def test_requeued_slurm_job_takes_over_its_earlier_runs_lock(tmp_path):
 
 def test_live_lock_is_kept_fresh(tmp_path):
     lock = workdir.acquire(str(tmp_path), stale_after_s=120)
-    path = tmp_path / workdir.LOCK_NAME
+    path = tmp_path / workdir_layout.LOCK
     os.utime(path, (0, 0))
     lock.keep_fresh(every_s=0.05)
     time.sleep(0.5)
@@ -102,7 +102,7 @@ def test_release_leaves_a_lock_that_another_job_took(tmp_path):
     lock = workdir.acquire(str(tmp_path), stale_after_s=120)
     write_lock(tmp_path, host="elsewhere", pid=5)
     lock.release()
-    assert json.load(open(tmp_path / workdir.LOCK_NAME))["host"] == "elsewhere"
+    assert json.load(open(tmp_path / workdir_layout.LOCK))["host"] == "elsewhere"
 
 
 def smoke_dict(**changes):
@@ -116,7 +116,7 @@ def smoke_dict(**changes):
 def resumable(tmp_path, cfg_dict):
     os.makedirs(tmp_path / "checkpoints")
     (tmp_path / "checkpoints" / "checkpoint").write_text('model_checkpoint_path: "ckpt-20"\n')
-    io.write_json(str(tmp_path / workdir.CONFIG_NAME), cfg_dict)
+    io.write_json(str(tmp_path / workdir_layout.CONFIG), cfg_dict)
 
 
 def test_result_changing_keys_are_refused_listing_each(tmp_path):
@@ -128,8 +128,8 @@ def test_result_changing_keys_are_refused_listing_each(tmp_path):
     assert "config.model.name: 'resnet50' -> 'resnet18'" in message
     assert "config.optim.lr_per_256: 0.1 -> 0.2" in message and "config.optim.lr: 0.1 -> 0.2" in message  # linked
     assert "log_every_steps" not in message  # safe: not listed among the refused
-    assert json.load(open(tmp_path / workdir.CONFIG_NAME)) == json.loads(json.dumps(smoke_dict()))  # nothing written
-    assert not os.path.exists(tmp_path / workdir.LOCK_NAME) and not os.path.exists(tmp_path / workdir.HISTORY_NAME)
+    assert json.load(open(tmp_path / workdir_layout.CONFIG)) == json.loads(json.dumps(smoke_dict()))  # nothing written
+    assert not os.path.exists(tmp_path / workdir_layout.LOCK) and not os.path.exists(tmp_path / workdir_layout.HISTORY)
 
 
 def test_safe_changes_are_recorded_and_forced_ones_marked(tmp_path):
@@ -139,29 +139,29 @@ def test_safe_changes_are_recorded_and_forced_ones_marked(tmp_path):
     forced = smoke_dict(**{"train.epochs": 120.0, "data.stage_dir": "/tmp/local", "checkpoint.max_to_keep": 5,
                            "seed": 3, "resume.allow_config_changes": True})
     workdir.claim(str(tmp_path), forced, resume_cfg(allow=True)).release()
-    first, second = read_jsonl(tmp_path / workdir.HISTORY_NAME)
+    first, second = read_jsonl(tmp_path / workdir_layout.HISTORY)
     assert first["changes"] == {"checkpoint.max_to_keep": {"from": 3, "to": 5}, "data.stage_dir": {"from": "", "to": "/tmp/local"},
                                 "train.epochs": {"from": 90.0, "to": 120.0}} and not first["forced"]
     assert second["changes"] == {"seed": {"from": 0, "to": 3}, "resume.allow_config_changes": {"from": False, "to": True}}
     assert second["forced"] and "time" in second
-    assert json.load(open(tmp_path / workdir.CONFIG_NAME))["seed"] == 3
+    assert json.load(open(tmp_path / workdir_layout.CONFIG))["seed"] == 3
 
 
 def test_fresh_run_may_change_anything(tmp_path):
-    io.write_json(str(tmp_path / workdir.CONFIG_NAME), smoke_dict())  # a run that never checkpointed
+    io.write_json(str(tmp_path / workdir_layout.CONFIG), smoke_dict())  # a run that never checkpointed
     workdir.claim(str(tmp_path), smoke_dict(**{"model.name": "resnet18"}), resume_cfg()).release()
-    assert not os.path.exists(tmp_path / workdir.HISTORY_NAME)
+    assert not os.path.exists(tmp_path / workdir_layout.HISTORY)
 
 
 def test_unreadable_config_json_of_a_resumable_run_is_named(tmp_path):
     resumable(tmp_path, smoke_dict())
-    (tmp_path / workdir.CONFIG_NAME).write_text("{half")
+    (tmp_path / workdir_layout.CONFIG).write_text("{half")
     with pytest.raises(ConfigError, match=r"config\.json cannot be read"):
         workdir.claim(str(tmp_path), smoke_dict(), resume_cfg())
 
 
 def test_metrics_are_trimmed_to_the_resume_step_and_a_torn_line_dropped(tmp_path):
-    path = tmp_path / workdir.METRICS_NAME
+    path = tmp_path / workdir_layout.METRICS
     rows = [{"step": 10, "loss": 2.0}, {"step": 20, "loss": 1.5}, {"step": 20, "eval_top1": 0.3}, {"step": 30, "loss": 1.2}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 40, "lo')
     kept = workdir.trim_metrics(str(tmp_path), start_step=20)
@@ -208,6 +208,6 @@ def test_a_key_newer_than_the_checkpointed_run_resumes_at_its_default_and_is_ref
     del old["optim"]["clip_global_norm"]  # config.json of a run from before the key existed
     resumable(tmp_path, old)
     workdir.claim(str(tmp_path), smoke_dict(), resume_cfg()).release()  # at its default (0: off) it changes nothing
-    assert not os.path.exists(tmp_path / workdir.HISTORY_NAME)
+    assert not os.path.exists(tmp_path / workdir_layout.HISTORY)
     with pytest.raises(ConfigError, match=r"config\.optim\.clip_global_norm: 0\.0 -> 1\.0"):
         workdir.claim(str(tmp_path), smoke_dict(**{"optim.clip_global_norm": 1.0}), resume_cfg())
