@@ -22,9 +22,8 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import REPO, frozen_bn_model_and_optimizer, load_config, read_jsonl, run_cli  # noqa: E402
 
-from tfscale import local_sgd_steps, validation
 from tfscale import config as tfs_config  # noqa: E402
-from tfscale import distribute, engine, init_from, optim  # noqa: E402
+from tfscale import distribute, engine, init_from, local_sgd_steps, optim, validation  # noqa: E402
 from tfscale.data.input import pipeline  # noqa: E402
 
 CLIP = 0.05  # the smoke model's gradient norm at initialisation is 0.2-0.4: every step below is clipped

@@ -19,9 +19,8 @@ from conftest import REPO, load_config
 from test_multiworker import (DRIVER, assert_weights_close, first_errors, logged_steps, quiet_env, read_log,
                               sigterm_then_resume, start_workers, wait_all, weights)
 
-from tfscale import local_sgd_steps, validation
 from tfscale import config as tfs_config
-from tfscale import local_sgd
+from tfscale import local_sgd, local_sgd_steps, validation
 
 # 16 steps of global batch 32 (16 per worker), one step per loop so that every step's weights are seen.
 SHORT = ["--config=configs/smoke.py", "--config.train.epochs=0.8", "--config.schedule.warmup_epochs=0.25",
