@@ -20,9 +20,10 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from conftest import classic_example  # noqa: E402
+from conftest import classic_example, load_config  # noqa: E402
 
-from tfscale.config import base_config  # noqa: E402
+from tfscale import validation  # noqa: E402
+from tfscale.config import ConfigError, base_config  # noqa: E402
 from tfscale.data.convert import convert
 from tfscale.data.input import assignment, faults, pipeline, shard_dir
 from tfscale.data.stage import stage  # noqa: E402
@@ -653,3 +654,16 @@ def test_deterministic_order_with_random_crops(classic_dir):
     cfg = classic_config(out, deterministic=True, shuffle_buffer=12, global_batch_size=12)
     labels = [[list(b[1]) for b in first_batches(cfg, num=2)] for _ in range(2)]
     assert labels[0] == labels[1]
+
+
+def test_autotune_is_off_unless_asked_for_and_its_ram_budget_needs_it():
+    """tf.data's autotuner is off by default (its model thread stalls an input's teardown under tf.distribute);
+    data.autotune turns it on, with data.ram_budget_mb; a RAM budget without it would do nothing and is refused."""
+    data_cfg = base_config().data
+    assert pipeline.tf_data_options(data_cfg).autotune.enabled is False
+    data_cfg.autotune, data_cfg.ram_budget_mb = True, 512
+    options = pipeline.tf_data_options(data_cfg)
+    assert options.autotune.enabled is True and options.autotune.ram_budget == 512 << 20
+    with pytest.raises(ConfigError, match=r"config.data.ram_budget_mb=512 budgets tf.data's autotuner, "
+                       r"which is off: add --config.data.autotune=True"):
+        validation.validate(load_config("smoke", "--config.data.ram_budget_mb=512"))

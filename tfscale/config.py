@@ -114,7 +114,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.cache = False  # cache decoded-ready records in RAM (small datasets only)
     c.data.skip_corrupt_images = False  # True: training drops records whose image does not decode and counts them; False: stop naming the record (eval always stops)
     c.data.private_threads = 0  # tf.data private thread pool size; 0: share TensorFlow's
-    c.data.ram_budget_mb = 0  # tf.data autotune RAM budget; 0: TensorFlow's default
+    # tf.data's autotuner (AUTOTUNE sized by a model thread); False: AUTOTUNE is the pool size, at most 16
+    # per map. Off by default: under tf.distribute ending an input waits up to the tuner's period (docs/data.md).
+    c.data.autotune = False
+    c.data.ram_budget_mb = 0  # tf.data autotune RAM budget (needs data.autotune); 0: TensorFlow's default
     c.data.assignment = "disjoint"  # disjoint | full | coarse | medium_coarse | fine_grained | overlap: which data each worker reads (docs/data.md)
     c.data.copies = 2  # C, workers reading each example (coarse, medium_coarse, fine_grained, overlap; 1 = disjoint, M = full)
     c.data.assignment_level = "auto"  # what the scheme assigns: auto (files, or examples when fewer files than workers) | file | example

@@ -113,6 +113,9 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
         )
     _check_data_source(cfg.data)
     _check_loader(cfg.data)
+    if cfg.data.ram_budget_mb and not cfg.data.autotune:
+        raise ConfigError(f"config.data.ram_budget_mb={cfg.data.ram_budget_mb} budgets tf.data's autotuner, which is off: "
+                          "add --config.data.autotune=True, or drop ram_budget_mb")
     if not 0.0 < cfg.data.eval_crop_fraction <= 1.0:
         raise ConfigError(f"config.data.eval_crop_fraction must be in (0, 1], got {cfg.data.eval_crop_fraction}")
     init_path = cfg.model.init_from

@@ -48,7 +48,7 @@ SAFE_TO_CHANGE = (
     "checkpoint.*", "profile_steps", "resume.*", "benchmark.*",
     "model.init_from", "model.init_skip_head",  # read by fresh runs only: a resume restores the checkpoint
     "data.data_dir", "data.stage_dir",  # where the same shards are (another node's local disk)
-    "data.private_threads", "data.ram_budget_mb", "data.eval_global_batch_size",
+    "data.private_threads", "data.autotune", "data.ram_budget_mb", "data.eval_global_batch_size",
     "data.skip_corrupt_images",  # a run that stopped on a corrupt image resumes skipping it
     "jit_compile",  # how a step runs, not what it computes
     "distribute.backend", "distribute.num_cpu_devices",  # another worker count, the same global batch

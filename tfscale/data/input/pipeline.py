@@ -155,6 +155,12 @@ def tf_data_options(data_cfg: ml_collections.ConfigDict, deterministic: bool | N
     # tfscale shards by itself (per input pipeline); a second, automatic sharding would drop data.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     options.deterministic = bool(data_cfg.deterministic if deterministic is None else deterministic)
+    # The autotuner's model thread sleeps between tuning rounds (longer as a run goes on) and,
+    # behind tf.distribute's MultiDeviceIterator, deleting the iterator waits for it to wake
+    # (RootDataset::Iterator::~Iterator joins it): a run's end stalled 5-30 s on every worker. Without
+    # it AUTOTUNE means the thread pool's size (capped at 16 per map) and a prefetch buffer that grows
+    # when it runs dry; measured here at parity or better (docs/benchmarking.md).
+    options.autotune.enabled = bool(data_cfg.autotune)
     if data_cfg.private_threads:
         options.threading.private_threadpool_size = data_cfg.private_threads
     elif (cores := devices.input_thread_cap()) is not None:
