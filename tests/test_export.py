@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
@@ -115,16 +116,12 @@ def stored_images(shards_dir, split):
     return stored
 
 
-@pytest.fixture(scope="module")
-def digits_export(tmp_path_factory):
-    """Image folders -> shards -> 2-worker MWMS training -> `python -m tfscale.export` -> fresh-process serving."""
-    root = tmp_path_factory.mktemp("digits")
-    images_dir, shards_dir, workdir = str(root / "images"), str(root / "shards"), str(root / "train")
-    counts = write_digit_jpegs(images_dir)
-    convert_both_splits(images_dir, shards_dir)
+def train_digits(workdir: str, counts: dict, *data_flags: str) -> float:
+    """2-worker MWMS training of the digits recipe through tfscale.launch; returns the seconds from
+    summary.json's write to the job's exit."""
     launch = subprocess.run(
         [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--", "-m", "tfscale.train",
-         "--config=configs/digits.py", f"--workdir={workdir}", f"--config.data.data_dir={shards_dir}",
+         "--config=configs/digits.py", f"--workdir={workdir}", *data_flags,
          "--config.distribute.backend=mwms", f"--config.data.num_train_examples={counts['train']}",
          f"--config.data.num_eval_examples={counts['validation']}", f"--config.data.image_size={IMAGE_SIZE_PX}",
          "--config.model.name=cifar_resnet8", "--config.optim.lr_per_256=1.6", "--config.train.epochs=4",
@@ -132,7 +129,19 @@ def digits_export(tmp_path_factory):
          "--config.checkpoint.every_epochs=4", "--config.train.log_every_steps=22"],
         cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=600,
     )
+    exited_at = time.time()
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    return exited_at - os.path.getmtime(os.path.join(workdir, "summary.json"))
+
+
+@pytest.fixture(scope="module")
+def digits_export(tmp_path_factory):
+    """Image folders -> shards -> 2-worker MWMS training -> `python -m tfscale.export` -> fresh-process serving."""
+    root = tmp_path_factory.mktemp("digits")
+    images_dir, shards_dir, workdir = str(root / "images"), str(root / "shards"), str(root / "train")
+    counts = write_digit_jpegs(images_dir)
+    convert_both_splits(images_dir, shards_dir)
+    exit_after_summary_s = train_digits(workdir, counts, f"--config.data.data_dir={shards_dir}")
     exported = run_cli("tfscale.export", f"--workdir={workdir}")
     assert exported.returncode == 0, exported.stderr[-3000:]
     script = root / "serve.py"
@@ -147,7 +156,8 @@ def digits_export(tmp_path_factory):
     with open(os.path.join(workdir, "export", "export.json")) as f:
         info = json.load(f)
     return {"images_dir": images_dir, "shards_dir": shards_dir, "workdir": workdir, "counts": counts,
-            "summary": summary, "info": info, "served": json.loads(served.stdout.strip().splitlines()[-1])}
+            "summary": summary, "info": info, "served": json.loads(served.stdout.strip().splitlines()[-1]),
+            "exit_after_summary_s": exit_after_summary_s}
 
 
 @pytest.mark.slow
@@ -163,6 +173,24 @@ def test_shards_hold_the_original_jpeg_bytes(digits_export):
 
 
 @pytest.mark.slow
+def test_the_run_ends_at_once_after_its_last_step(digits_export, tmp_path):
+    """From the last step to the job's exit only the final eval and checkpoint take time: ending the
+    input and writing the summary cost a few % of the run (an input whose teardown waited for tf.data's
+    autotuner once cost 5-30 s on every worker), as the run measures itself in summary.json; and the
+    processes exit after the summary as promptly as the same job on synthetic data."""
+    summary = digits_export["summary"]
+    end = summary["end_of_run_s"]
+    assert set(end) == {"total", "input_release", "final_eval", "final_checkpoint"}
+    assert 0 < end["final_eval"] < end["total"]
+    idle_s = end["total"] - end["final_eval"] - end["final_checkpoint"]  # the input's end and the summary
+    assert idle_s < 0.05 * summary["wall_time_s"], (end, summary["wall_time_s"])
+
+    synthetic_exit_s = train_digits(str(tmp_path), digits_export["counts"], "--config.data.dataset=synthetic",
+                                    "--config.data.data_dir=")
+    assert digits_export["exit_after_summary_s"] < 2 * synthetic_exit_s, (digits_export["exit_after_summary_s"],
+                                                                          synthetic_exit_s)
+
+
 def test_served_savedmodel_reproduces_the_runs_eval_top1_exactly(digits_export):
     served, summary = digits_export["served"], digits_export["summary"]
     assert summary["num_workers"] == 2

@@ -114,17 +114,20 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     start_time = time.time()
     if _eval_missing_at(run, plan, start_step, logged):  # stopped at an eval step before its eval ran
         run_eval(start_step)
+    end_of_run = _EndOfRun()
     eval_results = _train_loop(run, model, loops, ckpts, callback_list, run_eval, stop_requested, start_step,
-                               skipped_images)
+                               skipped_images, end_of_run)
     final_step = int(ckpts.step.numpy())
     if not plan.in_agreement(final_step):  # stopped by a callback between world syncs
         loops.world_sync()
-    ckpts.save(final_step)
+    with end_of_run.part("final_checkpoint"):
+        ckpts.save(final_step)
     callback_list.on_train_end({"global_step": final_step})
     ckpts.close()
     if not eval_results:  # stopped early by a callback, or resumed at the end without a summary
         eval_results = run_eval(final_step)
     summary = _summary(run, final_step, time.time() - start_time, logger, eval_results)
+    summary.update(end_of_run.figures())
     summary.update(loops.report(final_step))
     if count_skipped is not None:
         summary.update(count_skipped())
@@ -200,14 +203,15 @@ def _evaluator(run: engine.Run, model, callback_list):
 
 
 def _train_loop(run, model, loops: tfs_loops.Loops, ckpts, callback_list, run_eval, stop_requested, start_step: int,
-                skipped_images: tf.Variable | None) -> dict:
+                skipped_images: tf.Variable | None, end_of_run: _EndOfRun) -> dict:
     """Loops of steps from `start_step` to the end (or a callback's stop); returns the last eval's metrics.
 
     Each loop runs on device up to the next step where the host must act (`_loop_end`), then the
     callbacks see every step of it with Keras' conventions (epoch, batch within it) plus
     `global_step`, the run's one step counter, which `ckpts` holds and saves: the same step numbers
     and losses as with one step per loop. A loop's first `on_train_batch_begin` comes before it runs
-    (the profiler starts there); the others, like every `on_train_batch_end`, after.
+    (the profiler starts there); the others, like every `on_train_batch_end`, after. The training
+    input ends as soon as the last step has run, before the final eval (`end_of_run` times both).
     """
     steps, plan = run.steps, loops.plan
     iterator = iter(engine.train_dataset(run, start_step, skipped_images))
@@ -222,6 +226,12 @@ def _train_loop(run, model, loops: tfs_loops.Loops, ckpts, callback_list, run_ev
         loop_end = _loop_end(run, step, plan)
         loops.learning_rate.follow_callbacks(step)  # a callback may have set the LR since the last loop
         losses, workers_stopping = _run_loop(run, loops.loop_for(step), iterator, stop_requested, loop_end - step)
+        if loop_end == steps.train_steps:
+            end_of_run.last_step_done()
+            with end_of_run.part("input_release"):
+                # Its threads would otherwise go on decoding batches nobody takes, beside the final eval,
+                # until the process exits; ending it waits only for the reads and decodes in flight.
+                del iterator
         loops.learning_rate.loop_ended()
         loops.after(loop_end)  # before the callbacks, so that they see the weights the workers agree on
         _replay_batches(callback_list, step, first_batch, losses)
@@ -233,16 +243,45 @@ def _train_loop(run, model, loops: tfs_loops.Loops, ckpts, callback_list, run_ev
             ckpts.close()
             raise errors.Preempted(step)
         if plan.due(step, steps.checkpoint_every_steps):
-            ckpts.save(step)
+            with end_of_run.part("final_checkpoint" if step == steps.train_steps else None):
+                ckpts.save(step)
         evaluated = plan.due(step, steps.eval_every_steps) or step == steps.train_steps
         if evaluated:
-            eval_results = run_eval(step)
+            with end_of_run.part("final_eval" if step == steps.train_steps else None):
+                eval_results = run_eval(step)
         if step % steps.steps_per_epoch == 0:  # with this step's eval as Keras names it (ReduceLROnPlateau's val_loss)
             val_logs = _keras_val_logs(eval_results) if evaluated else {}
             callback_list.on_epoch_end(epoch, {"loss": losses[-1], **val_logs})
         if model.stop_training:  # set by standard callbacks such as EarlyStopping/TerminateOnNaN
             break
     return eval_results
+
+
+class _EndOfRun:
+    """Seconds from the last step's end to the summary, and what they went to: summary.json's
+    `end_of_run_s` (`total`, `input_release`, `final_eval`, `final_checkpoint`), logged as well. Empty for
+    a run that ended before its last step (a callback's stop)."""
+
+    def __init__(self):
+        self._last_step_at, self._parts = None, {}
+
+    def last_step_done(self) -> None:
+        self._last_step_at = time.perf_counter()
+
+    @contextlib.contextmanager
+    def part(self, name: str | None):
+        """Times the block as `name` once the last step is done (None, or before then: not timed)."""
+        started = time.perf_counter()
+        yield
+        if name and self._last_step_at is not None:
+            self._parts[name] = self._parts.get(name, 0.0) + time.perf_counter() - started
+
+    def figures(self) -> dict:
+        if self._last_step_at is None:
+            return {}
+        seconds = {"total": time.perf_counter() - self._last_step_at, **self._parts}
+        logging.info("from the last step to the summary: %s", ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items()))
+        return {"end_of_run_s": {name: round(value, 3) for name, value in seconds.items()}}
 
 
 def _keras_val_logs(eval_results: dict) -> dict:
