@@ -43,7 +43,7 @@ def test_input_benchmark_prints_and_saves_every_pipeline_rate(photo_shards, tmp_
     # DALI's row is there when `make dali` installed it (make test does).
     dali = ("tfscale_dali",) if baselines.dali_installed() else ()
     assert set(printed) == {f"{name}_images_per_sec" for name in
-                            ("tfscale", "tfscale_no_shuffle", "model_garden", "decode_only", "keras_baseline", *dali)}
+                            ("tfscale", "tfscale_buffer_shuffle", "tfscale_no_shuffle", "model_garden", "decode_only", "keras_baseline", *dali)}
     assert all(rate > 0 for rate in printed.values())
     with open(os.path.join(tmp_path, "benchmark.json")) as f:
         saved = json.load(f)

@@ -25,7 +25,7 @@ LAYERS = [
     ["data.input.loaders"],
     ["data.input.dali"],
     ["data.input.pipeline", "data.convert.convert"],
-    ["data.input.shard_dir", "data.convert.arrays"],
+    ["data.input.shard_dir", "data.input.record_index", "data.convert.arrays"],
     ["data.stage.stage", "data.convert.shards"],
     ["data.stage.stage_copy", "data.convert.encode"],
     ["data.stage.stage_plan", "data.stage.stage_state", "data.convert.sources", "data.convert.parallel",

@@ -667,3 +667,41 @@ def test_autotune_is_off_unless_asked_for_and_its_ram_budget_needs_it():
     with pytest.raises(ConfigError, match=r"config.data.ram_budget_mb=512 budgets tf.data's autotuner, "
                        r"which is off: add --config.data.autotune=True"):
         validation.validate(load_config("smoke", "--config.data.ram_budget_mb=512"))
+
+
+def test_index_shuffle_draws_every_record_once_per_pass_in_a_new_order(data, tmp_path):
+    """data.shuffle='index' (the default): every pass a new permutation of the worker's records, read by
+    offset from the shards' index files (written again when missing): each record once per pass, the
+    records the shuffle buffer's path reads, another order every pass and for another seed."""
+    copy = str(tmp_path / "six")
+    shutil.copytree(data["six"], copy)
+    shutil.rmtree(os.path.join(copy, "dali-index"))  # shards from another tool: indexed on first use
+    n = sum(TRAIN_PER_CLASS)
+
+    def stream(seed, **overrides):
+        cfg = data_config(copy, deterministic=True, global_batch_size=1, **overrides)
+        batches = pipeline.train_input_fn(cfg, seed=seed, start_step=0)(context()).take(3 * n).as_numpy_iterator()
+        return [digest(images[0]) for images, _ in batches]
+
+    first = stream(seed=0)
+    assert len(os.listdir(os.path.join(copy, "dali-index"))) == 6
+    passes = [first[i * n:(i + 1) * n] for i in range(3)]
+    assert all(sorted(p) == sorted(data["train"]) for p in passes)  # each record exactly once a pass
+    assert passes[0] != passes[1] and passes[1] != passes[2]
+    assert stream(seed=0) == first and stream(seed=1)[:n] != passes[0]
+    buffered = stream(seed=0, shuffle="buffer", shuffle_buffer=n)
+    assert set(buffered) == set(data["train"]) and buffered != first
+
+
+def test_a_shard_changed_after_indexing_is_named_by_the_index_read(data, tmp_path):
+    from tfscale.data.input import record_index
+
+    copy = str(tmp_path / "six")
+    shutil.copytree(data["six"], copy)
+    shards = shard_dir.list_shards(copy, "train")
+    spans = record_index.load_spans(shards, os.path.join(copy, "dali-index"))
+    with open(shards[0], "r+b") as f:
+        f.truncate(os.path.getsize(shards[0]) // 2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"{shards[0]}: no \d+-byte record at byte \d+, where "
+                       "its index file puts one: the shard was cut short or rewritten after it was indexed"):
+        list(record_index.shuffled_records(spans, seed=0, deterministic=True).take(spans.count))

@@ -26,14 +26,17 @@ to quote, not the absolute rates of a shared 2-core machine.
 from __future__ import annotations
 
 import copy
+import hashlib
 import statistics
 import time
 from typing import Callable
 
 import keras
 import ml_collections
+import numpy as np
 import tensorflow as tf
 from absl import logging
+from scipy import stats
 
 from tfscale import engine, optim
 from tfscale.data.input import loaders, pipeline, preprocess, shard_dir
@@ -186,9 +189,11 @@ def keras_baseline_input(cfg: ml_collections.ConfigDict, image_dir: str) -> tf.d
 def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
     """Median images/sec of tfscale's pipeline, the decode-only ceiling and (with image_dir) Keras'."""
     bench = cfg.benchmark
-    unshuffled = copy.deepcopy(cfg)
+    buffered, unshuffled = copy.deepcopy(cfg), copy.deepcopy(cfg)
+    buffered.data.shuffle = unshuffled.data.shuffle = "buffer"
     unshuffled.data.shuffle_buffer = 1
-    makers = {"tfscale": lambda: tfscale_input(cfg), "tfscale_no_shuffle": lambda: tfscale_input(unshuffled),
+    makers = {"tfscale": lambda: tfscale_input(cfg), "tfscale_buffer_shuffle": lambda: tfscale_input(buffered),
+              "tfscale_no_shuffle": lambda: tfscale_input(unshuffled),
               "model_garden": lambda: model_garden_input(cfg), "decode_only": lambda: decode_only_input(cfg)}
     with_dali = dali_installed()
     if with_dali:
@@ -210,10 +215,34 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
         dali_rate, tfdata_rate = result["tfscale_dali_images_per_sec"], result["tfscale_images_per_sec"]
         result["tfscale_dali_vs_tfdata"] = round(dali_rate / tfdata_rate, 3)
         result["dali_decode"] = dali.decode_device(cfg.data.dali_decode, len(tf.config.get_visible_devices("GPU")))
+    result["shuffle_quality"] = shuffle_quality(cfg.data)
     result.update(global_batch_size=cfg.data.global_batch_size, image_size=cfg.data.image_size,
                   shuffle_buffer=cfg.data.shuffle_buffer,
                   num_batches=bench.num_batches, num_warmup_batches=bench.num_warmup_batches)
     return result
+
+
+def shuffle_quality(data_cfg: ml_collections.ConfigDict) -> dict:
+    """How much of the shards' order is left after each shuffle, over the first pass's worth (n) of one
+    worker's records: the share of them that are distinct (1.0: each record once, a permutation) and the
+    rank correlation of a record's place in the stream with its place in its shard (0: no trace left)."""
+    def key(record: bytes) -> bytes:
+        return hashlib.blake2b(record, digest_size=8).digest()
+
+    place_in_shard = {}
+    for path in shard_dir.list_shards(data_cfg.data_dir, data_cfg.train_split):
+        records = [key(r) for r in tf.data.TFRecordDataset(path).as_numpy_iterator()]
+        place_in_shard.update({k: i / len(records) for i, k in enumerate(records)})
+    n = len(place_in_shard)
+    quality = {}
+    for shuffle in ("index", "buffer"):
+        cfg = copy.deepcopy(data_cfg)
+        cfg.shuffle = shuffle
+        stream = [key(r) for r in pipeline.train_records(cfg, cfg.data_dir, tf.distribute.InputContext(), seed=0)
+                  .take(n).as_numpy_iterator()]
+        rho = stats.spearmanr(np.arange(n), [place_in_shard[k] for k in stream]).statistic
+        quality[shuffle] = {"distinct_share": round(len(set(stream)) / n, 4), "rank_correlation": round(float(rho), 4)}
+    return quality
 
 
 def print_input_report(result: dict) -> None:
@@ -221,7 +250,8 @@ def print_input_report(result: dict) -> None:
     print(f"input pipeline, images/sec (batch {result['global_batch_size']}, {result['image_size']}px, "
           f"median of {len(result['rounds']['tfscale'])} interleaved rounds):")
     rows = (
-        ("tfscale", f"tfscale train pipeline (shuffle_buffer={result['shuffle_buffer']})"),
+        ("tfscale", "tfscale train pipeline (a permutation per pass)"),
+        ("tfscale_buffer_shuffle", f"tfscale, shuffle buffer of {result['shuffle_buffer']} records"),
         ("tfscale_no_shuffle", "tfscale train pipeline without record shuffle"),
         ("tfscale_dali", f"tfscale train pipeline, DALI ({result.get('dali_decode')} decoding)"),
         ("model_garden", "Model-Garden-style (same per-image ops, no extras)"),
@@ -237,6 +267,10 @@ def print_input_report(result: dict) -> None:
         print("  DALI: not installed (make dali)")
     print(f"  vs Model-Garden-style: tfscale {result['tfscale_vs_model_garden']:.3f}x, without record shuffle "
           f"{result['tfscale_no_shuffle_vs_model_garden']:.3f}x")
+    for shuffle, label in (("index", "a permutation per pass"), ("buffer", f"{result['shuffle_buffer']}-record buffer")):
+        figures = result["shuffle_quality"][shuffle]
+        print(f"  shuffle, {label}: {figures['distinct_share']:.1%} of a pass's worth of records distinct, rank "
+              f"correlation with the place in the shard {figures['rank_correlation']:+.3f}")
 
 
 # --- training loop vs model.fit -------------------------------------------------------------------

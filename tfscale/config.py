@@ -64,6 +64,7 @@ BATCH_AUGMENTS = ("none", "randaugment", "mixup", "cutmix")  # tfscale.data.inpu
 HOROVOD_INSTALL_HINT = "build it against this TensorFlow with `make horovod` (tools/install_horovod.sh; README 'Horovod')"
 BENCHMARK_MODES = ("train", "synthetic", "input", "allreduce")
 LOADERS = ("tfdata", "dali")
+SHUFFLES = ("index", "buffer")  # data.shuffle
 DALI_DECODES = ("auto", "mixed", "cpu")
 # Said wherever data.loader=dali finds no DALI (validation.validate, the DALI loader).
 DALI_INSTALL_HINT = ("install NVIDIA DALI and its TensorFlow plugin with `make dali` (pip install 'tfscale[dali]', then "
@@ -108,7 +109,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.randaugment_factor = 0.5  # RandAugment: magnitude in [0, 1]
     c.data.mixup_alpha = 0.2  # MixUp: Beta(alpha, alpha) mixing
     c.data.cutmix_factor = 1.0  # CutMix: Beta parameter of the box size
-    c.data.shuffle_buffer = 10_000  # examples held for shuffling, per worker
+    c.data.shuffle = "index"  # index: a new permutation of the worker's records every pass, read by offset | buffer: a window of shuffle_buffer records
+    c.data.shuffle_buffer = 10_000  # records held for shuffling, per worker (data.shuffle='buffer', DALI, and shards without an index)
     c.data.interleave_cycle = 16  # shards read in parallel, per worker
     c.data.deterministic = False  # True: reproducible order at some speed cost
     c.data.cache = False  # cache decoded-ready records in RAM (small datasets only)

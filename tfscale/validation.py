@@ -16,7 +16,7 @@ from absl import logging
 from tfscale import local_sgd, schedules
 from tfscale.config import (AUGMENTS, AUTO_LABEL_OFFSET, BACKENDS, BATCH_AUGMENTS, BENCHMARK_MODES, CONVERT_HINT,
                             DALI_DECODES, DALI_INSTALL_HINT, DATASETS, LARGE_BATCH_WITHOUT_LARS, LOADERS, MODEL_NAMES,
-                            OPTIMIZERS, PRECISIONS, _SYNTHETIC, eval_global_batch_size, profile_window)
+                            OPTIMIZERS, PRECISIONS, SHUFFLES, _SYNTHETIC, eval_global_batch_size, profile_window)
 from tfscale.data.input import assignment
 from tfscale.errors import ConfigError
 
@@ -87,6 +87,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
     _require_choice("data.batch_augment", cfg.data.batch_augment, BATCH_AUGMENTS)
     _require_choice("data.assignment", cfg.data.assignment, assignment.SCHEMES)
     _require_choice("data.assignment_level", cfg.data.assignment_level, assignment.LEVELS)
+    _require_choice("data.shuffle", cfg.data.shuffle, SHUFFLES)
     if cfg.data.copies < 1:
         raise ConfigError(f"config.data.copies must be >= 1, got {cfg.data.copies}")
     try:

@@ -5,8 +5,10 @@
 batches per replica, so tf.distribute never re-shards (its auto-sharding is switched off).
 
 TFRecord training input, per worker:
-  shards -> this worker's files (data.assignment), reshuffled every pass -> parallel interleave
-  -> shuffle (serialized records) -> ONE parallel map: parse + decode (only the crop window, no format
+  shards -> this worker's files (data.assignment) -> their records in a new permutation every pass,
+  read by offset from the shards' index files (record_index.py; data.shuffle='index')
+  [or: files reshuffled every pass -> parallel interleave -> shuffle buffer of serialized records
+  (data.shuffle='buffer', and where no index can be had)] -> ONE parallel map: parse + decode (only the crop window, no format
   branch for tfscale-convert's all-JPEG shards) + augment -> batch per replica -> label check per batch
   -> optional batch augmentation (RandAugment / MixUp / CutMix) -> prefetch.
 Every stage off the parallel paths costs throughput: bench-input compares this pipeline with a
@@ -25,9 +27,11 @@ from typing import Callable
 
 import ml_collections
 import tensorflow as tf
+from absl import logging
 
 from tfscale import devices
-from tfscale.data.input import assignment, batch_augment, faults, info, preprocess, shard_dir, synthetic
+from tfscale.data.convert import dali_index
+from tfscale.data.input import assignment, batch_augment, faults, info, preprocess, record_index, shard_dir, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 _READ_BUFFER_BYTES = 8 << 20  # per open shard; large sequential reads suit parallel file systems
@@ -82,14 +86,23 @@ def worker_files(files: list[str], data_cfg, rank: int, workers: int) -> list[st
     return [files[i] for i in assignment.assign(len(files), rank=rank, **scheme)]
 
 
-def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tf.data.Dataset:
-    """This worker's serialized records, endlessly, in shuffled file order."""
+def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tuple[tf.data.Dataset, bool]:
+    """This worker's serialized records, endlessly, and whether they come shuffled already: a new
+    permutation every pass (data.shuffle='index', whole files assigned, no cache), else in shuffled
+    file order for the shuffle buffer to mix."""
     rank, workers = input_context.input_pipeline_id, input_context.num_input_pipelines
     scheme = dict(scheme=data_cfg.assignment, copies=data_cfg.copies, num_workers=workers)
     assignment.check(data_cfg.assignment, data_cfg.copies, workers)
     if assignment.shard_level(len(files), workers, data_cfg.assignment_level) == "file":
         mine = worker_files(files, data_cfg, rank, workers)
         shard_dir.require_present(mine, os.path.dirname(mine[0]), f"worker {rank} of {workers} reads")
+        if data_cfg.shuffle == "index" and not data_cfg.cache:  # a cache holds the records anyway
+            index_dir = dali_index.index_dir(os.path.dirname(mine[0]), data_cfg.dali_index_dir)
+            spans = record_index.load_spans(mine, index_dir)
+            if spans is not None:
+                logging.info("worker %d reads its %d training records in a new permutation every pass (record "
+                             "index in %s)", rank, spans.count, index_dir)
+                return record_index.shuffled_records(spans, seed, data_cfg.deterministic), True
         ds = tf.data.Dataset.from_tensor_slices(mine)
         if not data_cfg.cache:  # a cache below freezes the first epoch's file order anyway
             ds = ds.shuffle(len(mine), seed=seed, reshuffle_each_iteration=True).repeat()
@@ -109,7 +122,7 @@ def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tf.
             ds = ds.repeat()
     if data_cfg.cache:
         ds = ds.cache().repeat()
-    return ds
+    return ds, False
 
 
 def assignment_report(data_cfg: ml_collections.ConfigDict, data_dir: str, num_workers: int) -> dict | None:
@@ -223,6 +236,22 @@ def worker_seed(seed: int, start_step: int, rank: int) -> int:
     return (seed * 1_000_003 + start_step * 7_919 + rank) % 2**31
 
 
+def train_records(data_cfg: ml_collections.ConfigDict, data_dir: str, input_context, seed: int) -> tf.data.Dataset:
+    """This worker's serialized training records from the shards in `data_dir`, endlessly, shuffled as
+    data.shuffle says (a permutation per pass, or through the shuffle buffer)."""
+    records, shuffled = _worker_records(shard_dir.list_shards(data_dir, data_cfg.train_split), data_cfg,
+                                        input_context, seed)
+    return records if shuffled else _buffer_shuffle(records, data_cfg, seed)
+
+
+def _buffer_shuffle(records: tf.data.Dataset, data_cfg, seed: int) -> tf.data.Dataset:
+    if data_cfg.shuffle_buffer <= 1:
+        return records
+    # The records, before parsing: the smallest form an example takes here. Holding 10,000 of them
+    # costs 2-6% of the input rate in memory traffic (bench-input's "shuffle buffer" row).
+    return records.shuffle(data_cfg.shuffle_buffer, seed=seed)
+
+
 def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step: int,
                    data_dir: str | None = None, skipped_images: tf.Variable | None = None) -> InputFn:
     """Training batches (uint8 images, labels) from global step `start_step` on.
@@ -241,14 +270,10 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
         per_replica_batch = input_context.get_per_replica_batch_size(data_cfg.global_batch_size)
         if data_cfg.dataset == "tfds":
             records = _tfds_records(data_cfg, data_cfg.train_split, input_context, seed=shuffle_seed, shuffle_files=True)
-            records = records.repeat()
+            records = _buffer_shuffle(records.repeat(), data_cfg, shuffle_seed)
         else:
-            records = _worker_records(shard_dir.list_shards(data_dir, data_cfg.train_split), data_cfg, input_context, shuffle_seed)
+            records = train_records(data_cfg, data_dir, input_context, shuffle_seed)
         prepare = _train_example_fn(data_cfg, data_dir)
-        if data_cfg.shuffle_buffer > 1:
-            # The records, before parsing: the smallest form an example takes here. Holding 10,000 of
-            # them costs ~3% of the input rate in memory traffic (bench-input's "no shuffle" row).
-            records = records.shuffle(data_cfg.shuffle_buffer, seed=shuffle_seed)
         if data_cfg.skip_corrupt_images:
             size = data_cfg.image_size
             placeholder = (tf.zeros([size, size, 3], tf.uint8), tf.constant(0, tf.int32))
