@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -79,13 +80,21 @@ def test_missing_input_file(tmp_path):
 @pytest.mark.slow
 def test_sweep_runs_one_and_two_workers_and_reports(tmp_path):
     result = run_tool("sweep.py", f"--workdir={tmp_path}", "--workers=1,2", "--backends=mwms", "--num_batches=6",
-                      "--num_warmup_batches=2", "--per_worker_batch=8", "--", "--config.benchmark.breakdown_batches=2")
+                      "--num_warmup_batches=2", "--per_worker_batch=8", "--rounds=2", "--",
+                      "--config.benchmark.breakdown_batches=2")
     assert result.returncode == 0, result.stderr[-3000:]
-    reports = {n: json.loads((tmp_path / f"mwms_{n}" / "benchmark.json").read_text()) for n in (1, 2)}
-    assert [reports[n]["num_workers"] for n in (1, 2)] == [1, 2]
-    assert [reports[n]["global_batch_size"] for n in (1, 2)] == [8, 16]  # weak scaling: batch per worker fixed
-    x1, x2 = (reports[n]["total_images_per_sec"] for n in (1, 2))
-    assert f"| mwms synthetic | 2 | {x2:.2f} | {x2 / x1:.2f}x | {100 * x2 / (2 * x1):.1f}% |" in result.stdout
+    reports = {(n, r): json.loads((tmp_path / f"mwms_{n}_round{r}" / "benchmark.json").read_text())
+               for n in (1, 2) for r in (1, 2)}
+    assert [reports[n, 1]["num_workers"] for n in (1, 2)] == [1, 2]
+    assert [reports[n, 2]["global_batch_size"] for n in (1, 2)] == [8, 16]  # weak scaling: batch per worker fixed
+    # Each round's efficiency from its own two runs; the table gives their median (of two: the mean) and range.
+    efficiencies = [reports[2, r]["total_images_per_sec"] / (2 * reports[1, r]["total_images_per_sec"]) for r in (1, 2)]
+    x2 = statistics.median(reports[2, r]["total_images_per_sec"] for r in (1, 2))
+    assert f"| mwms synthetic | 2 | {x2:.2f} | " in result.stdout
+    assert (f"| mwms synthetic | 2 | {' / '.join(f'{100 * e:.1f}%' for e in efficiencies)} | "
+            f"{100 * statistics.median(efficiencies):.1f}% | {100 * abs(efficiencies[0] - efficiencies[1]):.1f} pts |"
+            in result.stdout)
+    x1, x2 = (reports[n, 1]["total_images_per_sec"] for n in (1, 2))  # the prediction is of the first round
     assert (tmp_path / "report.png").stat().st_size > 10_000
     report = (tmp_path / "report.md").read_text()
     assert "| mwms synthetic | 1 |" in report

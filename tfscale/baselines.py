@@ -1,8 +1,9 @@
 """What a user would write instead of tfscale, timed side by side with tfscale in one run.
 
-Every comparison runs its candidates in turn for `benchmark.rounds` rounds and reports each
-candidate's median, so a slow moment of the host hits all candidates alike; ratios are the figures
-to quote, not the absolute rates of a shared 2-core machine.
+Every comparison runs its candidates back to back in each of `benchmark.rounds` rounds (the order
+reversed every other round) and reports each candidate's median rate and, for the figures to quote,
+the median and range of the ratios taken within rounds: the host's drift between rounds cancels out
+of those, not out of a ratio of medians.
 
   * `compare_input_pipelines` (benchmark.mode=input): tfscale's training input pipeline (as
       configured, and without its record shuffle buffer), with tf.data and, when DALI is installed
@@ -44,12 +45,15 @@ from tfscale.data.input import loaders, pipeline, preprocess, shard_dir
 _KERAS_RESIZE_RATIO = 8 / 7  # resize to 256 before a 224 crop, as the classic ImageNet recipe
 
 
-def median_rates(candidates: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Runs every candidate (a function returning images/sec) once per round, in turn; all rates."""
+def interleaved_rounds(candidates: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Every candidate (a function returning images/sec) once per round, back to back, the order reversed
+    every other round, so that a host speeding up or slowing down within a round favours no side; every
+    round's rate."""
     rates = {name: [] for name in candidates}
+    names = list(candidates)
     for round_index in range(rounds):
-        for name, measure in candidates.items():
-            rates[name].append(measure())
+        for name in names if round_index % 2 == 0 else reversed(names):
+            rates[name].append(candidates[name]())
             logging.info("round %d  %-15s %8.1f images/sec", round_index + 1, name, rates[name][-1])
     return rates
 
@@ -59,6 +63,17 @@ def summarize_rates(rates: dict[str, list[float]]) -> dict:
     result = {f"{name}_images_per_sec": round(statistics.median(r), 1) for name, r in rates.items()}
     result["rounds"] = {name: [round(x, 1) for x in r] for name, r in rates.items()}
     return result
+
+
+def paired_ratio(rates: dict[str, list[float]], ours: str, theirs: str) -> dict:
+    """`ours` / `theirs` within each round (measured back to back): the median over rounds, and the spread.
+    A ratio of the two medians would mix rounds, and with them the host's drift between rounds."""
+    ratios = [a / b for a, b in zip(rates[ours], rates[theirs])]
+    return {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
+
+
+def ratio_text(ratio: dict) -> str:
+    return f"{ratio['median']:.3f}x (rounds {ratio['min']:.3f}-{ratio['max']:.3f})"
 
 
 # --- input pipelines ------------------------------------------------------------------------------
@@ -205,15 +220,16 @@ def compare_input_pipelines(cfg: ml_collections.ConfigDict) -> dict:
         return lambda: dataset_images_per_sec(make(), warmup_batches=bench.num_warmup_batches,
                                               timed_batches=bench.num_batches)
 
-    result = summarize_rates(median_rates({name: timed(make) for name, make in makers.items()}, bench.rounds))
-    result["tfscale_vs_model_garden"] = round(result["tfscale_images_per_sec"] / result["model_garden_images_per_sec"], 3)
-    result["tfscale_no_shuffle_vs_model_garden"] = round(
-        result["tfscale_no_shuffle_images_per_sec"] / result["model_garden_images_per_sec"], 3)
+    rates = interleaved_rounds({name: timed(make) for name, make in makers.items()}, bench.rounds)
+    result = summarize_rates(rates)
+    # tfscale against each other candidate, paired within rounds: `tfscale = X x` in the report
+    result["paired_ratios"] = {name: paired_ratio(rates, "tfscale", name) for name in rates if name != "tfscale"}
+    result["tfscale_vs_model_garden"] = result["paired_ratios"]["model_garden"]["median"]
+    result["tfscale_no_shuffle_vs_model_garden"] = paired_ratio(rates, "tfscale_no_shuffle", "model_garden")["median"]
     if with_dali:
         from tfscale.data.input import dali
 
-        dali_rate, tfdata_rate = result["tfscale_dali_images_per_sec"], result["tfscale_images_per_sec"]
-        result["tfscale_dali_vs_tfdata"] = round(dali_rate / tfdata_rate, 3)
+        result["tfscale_dali_vs_tfdata"] = paired_ratio(rates, "tfscale_dali", "tfscale")["median"]
         result["dali_decode"] = dali.decode_device(cfg.data.dali_decode, len(tf.config.get_visible_devices("GPU")))
     result["shuffle_quality"] = shuffle_quality(cfg.data)
     result.update(global_batch_size=cfg.data.global_batch_size, image_size=cfg.data.image_size,
@@ -248,7 +264,7 @@ def shuffle_quality(data_cfg: ml_collections.ConfigDict) -> dict:
 def print_input_report(result: dict) -> None:
     ours = result["tfscale_images_per_sec"]
     print(f"input pipeline, images/sec (batch {result['global_batch_size']}, {result['image_size']}px, "
-          f"median of {len(result['rounds']['tfscale'])} interleaved rounds):")
+          f"median of {len(result['rounds']['tfscale'])} rounds; ratios: median and range of the rounds' own):")
     rows = (
         ("tfscale", "tfscale train pipeline (a permutation per pass)"),
         ("tfscale_buffer_shuffle", f"tfscale, shuffle buffer of {result['shuffle_buffer']} records"),
@@ -261,12 +277,12 @@ def print_input_report(result: dict) -> None:
     for key, label in rows:
         if f"{key}_images_per_sec" in result:
             theirs = result[f"{key}_images_per_sec"]
-            ratio = "" if key == "tfscale" else f"   tfscale = {ours / theirs:.2f}x"
+            ratio = "" if key == "tfscale" else f"   tfscale = {ratio_text(result['paired_ratios'][key])}"
             print(f"  {label:52s} {theirs:9.1f}{ratio}")
     if "tfscale_dali_vs_tfdata" not in result:
         print("  DALI: not installed (make dali)")
     print(f"  vs Model-Garden-style: tfscale {result['tfscale_vs_model_garden']:.3f}x, without record shuffle "
-          f"{result['tfscale_no_shuffle_vs_model_garden']:.3f}x")
+          f"{result['tfscale_no_shuffle_vs_model_garden']:.3f}x (medians of ratios within rounds)")
     for shuffle, label in (("index", "a permutation per pass"), ("buffer", f"{result['shuffle_buffer']}-record buffer")):
         figures = result["shuffle_quality"][shuffle]
         print(f"  shuffle, {label}: {figures['distinct_share']:.1%} of a pass's worth of records distinct, rank "
@@ -352,8 +368,10 @@ def compare_keras_fit(cfg: ml_collections.ConfigDict, cluster, model, optimizer,
         "tfscale_loop": lambda: _loop_rate(train_loop, cluster, input_fn, steps, batch),
         "keras_fit": lambda: _fit_rate(fit_model, input_fn(tf.distribute.InputContext()), steps, batch),
     }
-    result = summarize_rates(median_rates(candidates, cfg.benchmark.rounds))
-    result["tfscale_vs_keras_fit"] = round(result["tfscale_loop_images_per_sec"] / result["keras_fit_images_per_sec"], 3)
+    rates = interleaved_rounds(candidates, cfg.benchmark.rounds)
+    result = summarize_rates(rates)
+    result["paired_ratio"] = paired_ratio(rates, "tfscale_loop", "keras_fit")
+    result["tfscale_vs_keras_fit"] = result["paired_ratio"]["median"]
     return result
 
 
@@ -363,5 +381,5 @@ def print_fit_report(result: dict, cfg: ml_collections.ConfigDict) -> None:
           f"{cfg.data.dataset} data, median of {rounds} rounds):")
     print(f"  tfscale loop step     {result['tfscale_loop_images_per_sec']:9.1f} images/sec")
     print(f"  keras model.fit       {result['keras_fit_images_per_sec']:9.1f} images/sec")
-    print(f"  tfscale = {result['tfscale_vs_keras_fit']:.3f}x model.fit")
+    print(f"  tfscale = {ratio_text(result['paired_ratio'])} model.fit")
 

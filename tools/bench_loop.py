@@ -28,7 +28,7 @@ from tfscale.data.input import pipeline  # noqa: E402
 _MODEL = flags.DEFINE_string("model", "cifar_resnet8", "Model to train (a key of tfscale.models.MODELS).")
 _BATCH = flags.DEFINE_integer("batch", 32, "Global batch size.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Timed steps per candidate and round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds; the median is reported.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds, each running every candidate back to back; ratios are paired within rounds.")
 _LOOPS = flags.DEFINE_list("steps_per_loop", ["1", "10"], "Loop lengths to compare; the ratio is last / first.")
 _OUTPUT = flags.DEFINE_string("output", None, "Optional JSON file for the figures.")
 
@@ -66,14 +66,15 @@ def main(argv):
     loops = [int(n) for n in _LOOPS.value]
     candidates = {f"steps_per_loop_{n}": (lambda n=n: loop_rate(train_loop, iterator, n, _STEPS.value, _BATCH.value))
                   for n in loops}
-    result = baselines.summarize_rates(baselines.median_rates(candidates, _ROUNDS.value))
-    first, last = (result[f"steps_per_loop_{n}_images_per_sec"] for n in (loops[0], loops[-1]))
-    result["ratio"] = round(last / first, 3)
+    rates = baselines.interleaved_rounds(candidates, _ROUNDS.value)
+    result = baselines.summarize_rates(rates)
+    paired = baselines.paired_ratio(rates, f"steps_per_loop_{loops[-1]}", f"steps_per_loop_{loops[0]}")
+    result["ratio"], result["ratio_range"] = paired["median"], [paired["min"], paired["max"]]
     print(f"training steps per host sync ({cfg.model.name}, batch {cfg.data.global_batch_size}, synthetic data, "
           f"median of {_ROUNDS.value} rounds):")
     for n in loops:
         print(f"  steps_per_loop={n:<4d} {result[f'steps_per_loop_{n}_images_per_sec']:9.1f} images/sec")
-    print(f"  steps_per_loop={loops[-1]} = {result['ratio']:.3f}x steps_per_loop={loops[0]}")
+    print(f"  steps_per_loop={loops[-1]} = {baselines.ratio_text(paired)} steps_per_loop={loops[0]}")
     if _OUTPUT.value:
         with open(_OUTPUT.value, "w") as f:
             json.dump({**result, "host": os.uname().nodename, "cpus": os.cpu_count()}, f, indent=1)

@@ -7,9 +7,11 @@
 Weak scaling: every worker keeps `--per_worker_batch` images per step, so the global batch grows
 with the workers, as in the Horovod paper and tf_cnn_benchmarks tables. Each worker gets
 `--threads_per_worker` threads: on a 2-core host, 1 worker x 1 thread vs 2 workers x 1 thread
-isolates what multi-worker training costs (all-reduce, synchronisation). Backends are measured
-interleaved (1 worker of each, then 2 of each, ...), so a slow moment of the host does not favour
-one. Writes WORKDIR/<backend>_<N>/benchmark.json, WORKDIR/report.md and WORKDIR/report.png.
+isolates what multi-worker training costs (all-reduce, synchronisation). Each of `--rounds` rounds
+measures every point back to back (1 worker of each backend, then 2 of each, ...; the order reversed
+every other round) and computes its efficiencies within the round, so the host's drift between rounds
+cancels out; the report gives each efficiency's median over rounds and its range. Writes
+WORKDIR/<backend>_<N>_round<k>/benchmark.json, WORKDIR/report.md and WORKDIR/report.png.
 
 With --predict (default) each worker count above one also runs the all-reduce benchmark
 (benchmark.mode=allreduce) right after its step benchmark, and tfscale-plan predicts that point from
@@ -20,6 +22,7 @@ does); report.md shows predicted beside measured (docs/scaling.md).
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -41,6 +44,8 @@ _NUM_BATCHES = flags.DEFINE_integer("num_batches", 60, "Timed steps per run.")
 _WARMUP = flags.DEFINE_integer("num_warmup_batches", 10, "Untimed steps per run.")
 _THREADS = flags.DEFINE_integer("threads_per_worker", 1, "Threads per worker (0: the launcher's default).")
 _REFERENCE = flags.DEFINE_integer("reference", None, "Worker count of the reference (default: the smallest).")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds of every point, back to back; efficiencies are paired within rounds.",
+                               lower_bound=1)
 _PREDICT = flags.DEFINE_bool("predict", True, "Also measure the all-reduce table at each worker count > 1 and print "
                              "tfscale-plan's prediction from it and the 1-worker run beside the measurement.")
 _ALLREDUCE_MAX_BYTES = flags.DEFINE_integer("allreduce_max_bytes", 16 << 20, "--predict: largest all-reduce message.")
@@ -74,10 +79,10 @@ def benchmark_command(backend: str, num_workers: int, workdir: str, mode: str, o
     ]
 
 
-def measure(backend: str, num_workers: int, overrides: list[str], mode: str = "") -> str:
+def measure(backend: str, num_workers: int, overrides: list[str], mode: str = "", round_number: int = 1) -> str:
     """Runs one benchmark; returns its benchmark.json path, or exits with the run's last output."""
     mode = mode or _MODE.value
-    name = f"{backend}_{num_workers}" + ("_allreduce" if mode == "allreduce" else "")
+    name = f"{backend}_{num_workers}" + ("_allreduce" if mode == "allreduce" else f"_round{round_number}")
     workdir = os.path.join(os.path.abspath(_WORKDIR.value), name)
     shutil.rmtree(workdir, ignore_errors=True)
     command = benchmark_command(backend, num_workers, workdir, mode, overrides)
@@ -121,38 +126,67 @@ def prediction_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def median_over_rounds(round_tables: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
+    """Per series and worker count: the median images/sec, speedup and efficiency over rounds (each computed
+    within its round) and the efficiencies of all rounds."""
+    merged = {}
+    for series, rows in round_tables[0].items():
+        merged[series] = []
+        for i, row in enumerate(rows):
+            in_rounds = [tables[series][i] for tables in round_tables]
+            merged[series].append({**row, **{key: statistics.median(r[key] for r in in_rounds)
+                                             for key in ("images_per_sec", "speedup", "efficiency")},
+                                   "round_efficiencies": [r["efficiency"] for r in in_rounds]})
+    return merged
+
+
+def rounds_table(tables: dict[str, list[dict]]) -> str:
+    lines = ["| series | workers | efficiency, each round | median | range |", "|---|---:|---|---:|---:|"]
+    for series, rows in tables.items():
+        for row in rows:
+            efficiencies = row["round_efficiencies"]
+            if row["workers"] != row["reference_workers"]:
+                lines.append(f"| {series} | {row['workers']} | {' / '.join(f'{100 * e:.1f}%' for e in efficiencies)} | "
+                             f"{100 * row['efficiency']:.1f}% | {100 * (max(efficiencies) - min(efficiencies)):.1f} pts |")
+    return "\n".join(lines)
+
+
 def main(argv):
     overrides = argv[1:]  # after `--`: more --config.x.y=v for every run
     counts = [int(n) for n in _WORKERS.value]
     if _PREDICT.value and 1 not in counts:
         sys.exit("sweep: --predict needs a 1-worker run in --workers (the plan's reference)")
-    paths, allreduce_paths = [], {}
-    for n in counts:
-        for backend in _BACKENDS.value:  # interleaved, and each all-reduce table right after its step benchmark
-            paths.append(measure(backend, n, overrides))
-            if _PREDICT.value and n > 1:
+    points = [(n, backend) for n in counts for backend in _BACKENDS.value]
+    round_paths, allreduce_paths = [], {}
+    for round_index in range(_ROUNDS.value):
+        paths = {}
+        for n, backend in points if round_index % 2 == 0 else reversed(points):
+            paths[backend, n] = measure(backend, n, overrides, round_number=round_index + 1)
+            if _PREDICT.value and n > 1 and round_index == 0:  # each all-reduce table right after its step benchmark
                 allreduce_paths[backend, n] = measure(backend, n, overrides, mode="allreduce")
-    tables = scaling.scaling_rows(scaling.load(paths), reference_workers=_REFERENCE.value)
+        round_paths.append(paths)
+    tables = median_over_rounds([scaling.scaling_rows(scaling.load(list(paths.values())),
+                                                      reference_workers=_REFERENCE.value) for paths in round_paths])
     workdir = os.path.abspath(_WORKDIR.value)
     title = (f"weak scaling, {_MODE.value}, {_PER_WORKER_BATCH.value} images/worker/step, "
-             f"{_THREADS.value or 'default'} thread(s)/worker")
+             f"{_THREADS.value or 'default'} thread(s)/worker, median of {_ROUNDS.value} round(s)")
     report = scaling.write_report(tables, os.path.join(workdir, "report.md"), os.path.join(workdir, "report.png"), title)
+    sections = ["\n## Efficiency in each round (paired within the round)\n\n" + rounds_table(tables) + "\n"]
     if allreduce_paths:
-        measured = {(r["backend"], r["num_workers"]): r for r in map(read, paths)}
+        first_round = {(r["backend"], r["num_workers"]): r for r in map(read, round_paths[0].values())}
         rows = []
         for (backend, n), path in allreduce_paths.items():
-            row = predicted_row(backend, n, measured[backend, 1], read(path), overrides)
-            row["measured_images_per_sec"] = measured[backend, n]["total_images_per_sec"]
-            row["measured_efficiency"] = row["measured_images_per_sec"] / (n * measured[backend, 1]["total_images_per_sec"])
+            row = predicted_row(backend, n, first_round[backend, 1], read(path), overrides)
+            row["measured_images_per_sec"] = first_round[backend, n]["total_images_per_sec"]
+            row["measured_efficiency"] = row["measured_images_per_sec"] / (n * first_round[backend, 1]["total_images_per_sec"])
             rows.append(row)
-        section = ("\n## Predicted (tfscale-plan from the 1-worker run and the all-reduce table) vs measured\n\n"
-                   + prediction_table(rows) + "\n")
-        with open(os.path.join(workdir, "report.md"), "a") as f:
-            f.write(section)
-        report += "\n" + section
+        sections.append("\n## Predicted (tfscale-plan from the 1-worker run and the all-reduce table) vs measured "
+                        "(first round)\n\n" + prediction_table(rows) + "\n")
         with open(os.path.join(workdir, "prediction.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    print(report)
+    with open(os.path.join(workdir, "report.md"), "a") as f:
+        f.write("".join(sections))
+    print(report + "".join(sections))
     print(f"wrote {os.path.join(workdir, 'report.md')} and report.png")
 
 

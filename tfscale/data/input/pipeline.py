@@ -8,8 +8,9 @@ TFRecord training input, per worker:
   shards -> this worker's files (data.assignment) -> their records in a new permutation every pass,
   read by offset from the shards' index files (record_index.py; data.shuffle='index')
   [or: files reshuffled every pass -> parallel interleave -> shuffle buffer of serialized records
-  (data.shuffle='buffer', and where no index can be had)] -> ONE parallel map: parse + decode (only the crop window, no format
-  branch for tfscale-convert's all-JPEG shards) + augment -> batch per replica -> label check per batch
+  (data.shuffle='buffer', and where no index can be had)]
+  -> ONE parallel map: parse + decode (only the crop window, no format branch for tfscale-convert's
+  all-JPEG shards) + augment -> batch per replica -> label check per batch
   -> optional batch augmentation (RandAugment / MixUp / CutMix) -> prefetch.
 Every stage off the parallel paths costs throughput: bench-input compares this pipeline with a
 plain Model-Garden-style one that has none of these extras.
@@ -170,7 +171,7 @@ def tf_data_options(data_cfg: ml_collections.ConfigDict, deterministic: bool | N
     options.deterministic = bool(data_cfg.deterministic if deterministic is None else deterministic)
     # The autotuner's model thread sleeps between tuning rounds (longer as a run goes on) and,
     # behind tf.distribute's MultiDeviceIterator, deleting the iterator waits for it to wake
-    # (RootDataset::Iterator::~Iterator joins it): a run's end stalled 5-30 s on every worker. Without
+    # (RootDataset::Iterator::~Iterator joins it): a run's end stalled 8-15 s on a worker. Without
     # it AUTOTUNE means the thread pool's size (capped at 16 per map) and a prefetch buffer that grows
     # when it runs dry; measured here at parity or better (docs/benchmarking.md).
     options.autotune.enabled = bool(data_cfg.autotune)
