@@ -262,7 +262,6 @@ def shuffle_quality(data_cfg: ml_collections.ConfigDict) -> dict:
 
 
 def print_input_report(result: dict) -> None:
-    ours = result["tfscale_images_per_sec"]
     print(f"input pipeline, images/sec (batch {result['global_batch_size']}, {result['image_size']}px, "
           f"median of {len(result['rounds']['tfscale'])} rounds; ratios: median and range of the rounds' own):")
     rows = (
