@@ -186,7 +186,7 @@ def main(argv):
             json.dump(rows, f, indent=1)
     with open(os.path.join(workdir, "report.md"), "a") as f:
         f.write("".join(sections))
-    print(report + "".join(sections))
+    print(report + "\n" + "".join(sections))
     print(f"wrote {os.path.join(workdir, 'report.md')} and report.png")
 
 
