@@ -237,7 +237,7 @@ def test_accumulating_run_resumes_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["one_device", "horovod_stub"])
-def test_batches_go_to_the_device_through_input_options_of_the_configured_depth(backend):
+def test_batches_go_to_the_device_through_input_options_of_the_configured_depth_without_autotuner(backend):
     # GPU hosts copy the next `device_prefetch_batches` batches per replica to the GPU during the
     # step; here the device is the CPU, so what is checked is that every backend asks for it.
     cfg = load_config("smoke", "--config.distribute.device_prefetch_batches=3")
@@ -254,3 +254,8 @@ def test_batches_go_to_the_device_through_input_options_of_the_configured_depth(
     assert data._options.experimental_fetch_to_device
     assert data._options.experimental_per_replica_buffer_size == 3
     assert [batch.numpy().tolist() for batch in data] == [[0, 1], [2, 3], [4, 5]]
+    # Each device's share runs through a dataset tf.distribute builds itself; with the autotuner on,
+    # deleting its iterator joins the autotuner's thread, which sleeps up to a minute (collectives.py).
+    per_worker_iterator = iter(data)._iterators[0]._iterator
+    device_datasets = [device_iterator._dataset for device_iterator in per_worker_iterator._device_iterators]
+    assert device_datasets and all(ds.options().autotune.enabled is False for ds in device_datasets)

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
+from tensorflow.python.data.ops import multi_device_iterator_ops  # see untune_device_datasets
 from tensorflow.python.ops import collective_ops  # sub-group all-reduce; tf.distribute's API has none
 
 # Collective keys of household all-reduces under tf.distribute: far above the small group keys
@@ -34,6 +36,37 @@ def device_input_options(prefetch_batches: int) -> tf.distribute.InputOptions:
     """
     return tf.distribute.InputOptions(experimental_fetch_to_device=True,
                                       experimental_per_replica_buffer_size=prefetch_batches)
+
+
+def untune_device_datasets() -> None:
+    """The per-device datasets behind every tf.distribute input run without tf.data's autotuner.
+
+    tf.distribute feeds replicas through a MultiDeviceIterator, which wraps each device's share in
+    a dataset of its own (a generator plus a one-batch prefetch) with default options, so autotune
+    on: tensorflow/python/data/ops/multi_device_iterator_ops.py, `_create_device_dataset` (TF
+    2.19-2.21). Each such iterator then owns an autotune model thread, and deleting it joins that
+    thread, which sleeps up to a minute between tuning rounds: `make demo` spent 55 s ending its
+    input. A one-batch prefetch has nothing to tune, and no InputOptions reaches these datasets
+    (PER_REPLICA mode would, but MultiWorkerMirroredStrategy refuses it), so tfscale wraps the
+    private builder. If a TensorFlow release renames it, the input still works; only the stall
+    may return, which the warning says.
+    """
+    build = getattr(multi_device_iterator_ops, "_create_device_dataset", None)
+    if build is None:
+        logging.warning("tf.distribute's per-device input datasets keep tf.data's autotuner in TensorFlow %s "
+                        "(multi_device_iterator_ops._create_device_dataset is gone): a run's end may wait "
+                        "for its model thread", tf.__version__)
+        return
+    if getattr(build, "untuned", False):
+        return
+
+    def build_untuned(*args, **kwargs):
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        return build(*args, **kwargs).with_options(options)
+
+    build_untuned.untuned = True
+    multi_device_iterator_ops._create_device_dataset = build_untuned
 
 
 class Collectives(abc.ABC):
@@ -146,6 +179,7 @@ class StrategyCollectives(Collectives):
         pass  # MWMS initialises and restores replicas identically itself
 
     def distribute_dataset(self, input_fn):
+        untune_device_datasets()
         return self.strategy.distribute_datasets_from_function(input_fn, options=self.input_options)
 
 
@@ -207,4 +241,5 @@ class HorovodCollectives(Collectives):
         size, rank = self.hvd.size(), self.hvd.rank()
         context = tf.distribute.InputContext(num_input_pipelines=size, input_pipeline_id=rank,
                                              num_replicas_in_sync=size)
+        untune_device_datasets()
         return self.strategy.distribute_datasets_from_function(lambda _: input_fn(context), options=self.input_options)

@@ -174,7 +174,7 @@ def tf_data_options(data_cfg: ml_collections.ConfigDict, deterministic: bool | N
     # (RootDataset::Iterator::~Iterator joins it): a run's end stalled 8-15 s on a worker. Without
     # it AUTOTUNE means the thread pool's size (capped at 16 per map) and a prefetch buffer that grows
     # when it runs dry; measured here at parity or better (docs/benchmarking.md). The per-device
-    # datasets tf.distribute builds behind this one keep TensorFlow's default (a stall still to fix).
+    # datasets tf.distribute builds behind this one are untuned too: collectives.untune_device_datasets.
     options.autotune.enabled = bool(data_cfg.autotune)
     if data_cfg.private_threads:
         options.threading.private_threadpool_size = data_cfg.private_threads
