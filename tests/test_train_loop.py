@@ -259,3 +259,48 @@ def test_batches_go_to_the_device_through_input_options_of_the_configured_depth_
     per_worker_iterator = iter(data)._iterators[0]._iterator
     device_datasets = [device_iterator._dataset for device_iterator in per_worker_iterator._device_iterators]
     assert device_datasets and all(ds.options().autotune.enabled is False for ds in device_datasets)
+
+
+def _train_mirrored(out_path: str) -> None:
+    """Subprocess body (the CPU split in 2 devices before TensorFlow starts): 6 steps of the smoke recipe on 2 replicas, in loops of 1 and of 3
+    steps, from the same initial weights; saves every replica's copy of every model variable."""
+    cfg = load_config("smoke", "--config.distribute.backend=mirrored", "--config.distribute.num_cpu_devices=2")
+    cluster = distribute.setup(cfg.distribute)
+    assert cluster.num_replicas == 2
+    arrays = {}
+    for steps_per_loop in (1, 3):
+        keras.utils.set_random_seed(0)
+        with cluster.strategy.scope():
+            model = engine.build_model(cfg)
+            optimizer = engine.build_optimizer(cfg, model)
+            step = tf.Variable(0, dtype=tf.int64)
+        train_loop = engine.make_train_loop(cfg, cluster, model, optimizer, step=step)
+        # One pipeline split in two: each replica normalises a different half of every batch.
+        iterator = iter(cluster.distribute_dataset(pipeline.train_input_fn(cfg.data, seed=0, start_step=0)))
+        for _ in range(6 // steps_per_loop):
+            train_loop(iterator, tf.constant(0.0), tf.constant(steps_per_loop))
+        for v in model.variables:
+            for replica, value in enumerate(cluster.strategy.experimental_local_results(v.value)):
+                arrays[f"loop{steps_per_loop}/{v.path}/replica{replica}"] = value.numpy()
+    np.savez(out_path, **arrays)
+
+
+def test_batch_norm_statistics_averaged_once_per_loop_equal_averaging_every_step(tmp_path):
+    """The replicas' moving statistics are averaged after a loop's last step, not after every step: the
+    same values to rounding (the update is linear), identical on both replicas, and the weights unchanged."""
+    out_path = str(tmp_path / "mirrored.npz")
+    code = (f"import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+            f"import test_train_loop\ntest_train_loop._train_mirrored({out_path!r})\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    saved = np.load(out_path)
+    names = sorted({key.split("/", 1)[1].rsplit("/", 1)[0] for key in saved.files})
+    moving = [name for name in names if "moving_" in name]
+    assert moving
+    for name in names:
+        per_step, per_loop = (saved[f"loop{k}/{name}/replica0"] for k in (1, 3))
+        np.testing.assert_array_equal(saved[f"loop3/{name}/replica1"], per_loop, err_msg=name)
+        np.testing.assert_allclose(per_loop, per_step, rtol=1e-4, atol=1e-6, err_msg=name)
+    # The statistics moved from their initial values (0 and 1), so equality above is not trivially met.
+    assert any(np.abs(saved[f"loop3/{name}/replica0"] - ("variance" in name)).max() > 1e-3 for name in moving)

@@ -66,9 +66,10 @@ def workload_from_config(cfg, per_gpu_batch: int | None = None, layers=None, bat
         per_gpu_batch=per_gpu_batch or cfg.data.max_per_replica_batch_size or cfg.data.global_batch_size,
         layers=tuple(layers), algorithm="ring", overlap="none", fusion_bytes=fusion,
         wire_factor=0.5 if backend == "horovod" and cfg.distribute.horovod_fp16_allreduce else 1.0,
-        # engine's replica step: BatchNorm's moving statistics averaged (unless synchronized BatchNorm made them
-        # equal), then the loss share and stop flag (2 float32) summed.
-        step_collectives=(() if cfg.model.sync_bn else (batchnorm_bytes,)) + (8,),
+        # engine's replica step sums the loss share and stop flag (2 float32); its loop averages BatchNorm's
+        # moving statistics after its last step (unless synchronized BatchNorm made them equal).
+        step_collectives=(8,), loop_collectives=() if cfg.model.sync_bn else (batchnorm_bytes,),
+        steps_per_loop=cfg.train.steps_per_loop,
         num_train_examples=cfg.data.num_train_examples, epochs=cfg.train.epochs)
 
 

@@ -70,9 +70,11 @@ class Workload:
     fusion_bytes: int = 0  # all-reduces of at most this many bytes (0: one message per ready set / step)
     cycle_ms: float = 1.0  # per_tensor: how often ready tensors are collected (Horovod's cycle time)
     wire_factor: float = 1.0  # bytes on the wire per gradient byte (0.5: float16 compression)
-    # Bytes of the step's other all-reduces, none of which hides (tfscale: BatchNorm's moving statistics
-    # averaged after the update, then the loss with the stop flag).
+    # Bytes of the step's other all-reduces, none of which hides (tfscale: the loss with the stop flag).
     step_collectives: tuple[int, ...] = ()
+    # Bytes of all-reduces once per `steps_per_loop` steps (tfscale: BatchNorm's moving statistics).
+    loop_collectives: tuple[int, ...] = ()
+    steps_per_loop: int = 1
     num_train_examples: int = 1_281_167
     epochs: float = 90.0
 
@@ -138,7 +140,8 @@ def exposed_allreduce_s(workload: Workload, system: System, num_gpus: int, compu
     cost = lambda size: allreduce_s(size, num_gpus, system, workload.algorithm)  # noqa: E731
     if num_gpus == 1:
         return 0.0, 0.0
-    others = sum(cost(size) for size in workload.step_collectives)
+    others = (sum(cost(size) for size in workload.step_collectives)
+              + sum(cost(size) for size in workload.loop_collectives) / workload.steps_per_loop)
     if workload.overlap == "none":  # after the backward pass, fused messages one after another
         total = sum(cost(size) for size in buckets(wire, workload.fusion_bytes)) + others
         return total, total
