@@ -87,6 +87,19 @@ class Cluster:
         """
         return self._collectives.gradients_for_apply(grads)
 
+    @property
+    def step_sums_ride_on_gradients(self) -> bool:
+        """Whether `gradients_and_step_sums` can sum a step's loss and stop flag in the gradients' all-reduce."""
+        return self._collectives.step_sums_ride_on_gradients
+
+    def gradients_and_step_sums(self, grads: list[tf.Tensor], step_sums: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """(`gradients_for_apply(grads)`, `step_sums` summed over every replica of the job), in one collective.
+
+        Only where `step_sums_ride_on_gradients` (Horovod without float16 compression); under
+        tf.distribute Keras' `apply_gradients` owns the gradient all-reduce, so the sums travel apart.
+        """
+        return self._collectives.gradients_and_step_sums(grads, step_sums)
+
     def standalone_gradient_all_reduce(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
         """The cross-replica gradient reduction of a training step, as an op of its own (inside a replica step).
 

@@ -216,19 +216,27 @@ def accumulate(loss_and_grads, micro_batches: int, variables):
 
 
 def make_replica_step(cfg, cluster, model, optimizer):
-    """`replica_step(images, labels, stop_requested) -> [loss share, stop flag]`: one replica's part of a step."""
+    """`replica_step(images, labels, stop_requested) -> [loss, stop flag]`: one replica's part of a step.
+
+    It returns this replica's shares of the two (`run_replica_step` sums them over the job), or, where
+    `cluster.step_sums_ride_on_gradients`, their job sums already, reduced with the gradients.
+    """
     loss_and_grads = make_loss_and_grads(cfg, cluster, model, optimizer)
 
     def replica_step(images, labels, stop_requested):
         loss_share, grads = loss_and_grads(images, labels)
-        grads = cluster.gradients_for_apply(grads)
+        # The stop flag rides on the loss all-reduce: if any worker got SIGTERM, every worker
+        # learns it at the same step and they checkpoint together (saving is a collective).
+        step_sums = tf.stack([loss_share, stop_requested])
+        if cluster.step_sums_ride_on_gradients:
+            grads, step_sums = cluster.gradients_and_step_sums(grads, step_sums)
+        else:
+            grads = cluster.gradients_for_apply(grads)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             # Keras decides to skip a float16 step per replica, before the all-reduce: all must agree.
             grads = cluster.agree_on_finite(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        # The stop flag rides on the loss all-reduce: if any worker got SIGTERM, every worker
-        # learns it at the same step and they checkpoint together (saving is a collective).
-        return tf.stack([loss_share, stop_requested])
+        return step_sums
 
     return replica_step
 
@@ -236,7 +244,8 @@ def make_replica_step(cfg, cluster, model, optimizer):
 def run_replica_step(cluster, replica_step, images, labels, stop_requested):
     """Runs `replica_step` on every replica; returns [mean loss over the global batch, replicas stopping]."""
     per_replica = cluster.strategy.run(replica_step, args=(images, labels, stop_requested))
-    return cluster.sum_over_processes(cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None))
+    summed = cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    return summed if cluster.step_sums_ride_on_gradients else cluster.sum_over_processes(summed)
 
 
 def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learning_rate=None):
