@@ -140,12 +140,13 @@ def test_synthetic_mode_one_process_with_profiler_trace(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, mode", [("mwms", "train"), ("horovod", "synthetic")])
-def test_two_workers_chief_reports_both(backend, mode, tmp_path):
+def test_two_workers_chief_reports_both(backend, mode, tmp_path, monkeypatch):
     if backend == "horovod":
         pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
+        monkeypatch.setenv("HOROVOD_TIMELINE", str(tmp_path / "horovod_timeline.json"))
     result = run_cli("tfscale.launch", "--num_workers=2", f"--backend={backend}", "--", "-m", "tfscale.benchmark",
                      *SMALL_RUN, f"--workdir={tmp_path}", f"--config.benchmark.mode={mode}",
-                     f"--config.distribute.backend={backend}")
+                     f"--config.distribute.backend={backend}", "--config.profile_steps=5,7")
     assert result.returncode == 0, result.stderr[-3000:]
     report = read_report(tmp_path)
     check_report_against_output(result.stdout, report)
@@ -156,6 +157,27 @@ def test_two_workers_chief_reports_both(backend, mode, tmp_path):
         assert report["versions"]["horovod"] == "0.28.1"
     if mode == "train":  # real input: learnable synthetic examples made on the host every step
         assert report["config"]["data"]["dataset"] == "synthetic_learnable"
+    check_step_timeline(backend, tmp_path)
+
+
+def check_step_timeline(backend: str, workdir) -> None:
+    """tools/step_timeline.py on the run's trace: each step's collectives, as docs/benchmarking.md reads them."""
+    tool = [sys.executable, "tools/step_timeline.py"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if backend == "horovod":  # a step's loss and stop flag ride on the gradients' grouped all-reduce
+        out = subprocess.run([*tool, f"--horovod_timeline={workdir / 'horovod_timeline.json'}"], cwd=REPO, env=env,
+                             capture_output=True, text=True, check=True).stdout
+        assert re.search(r"^ALLREDUCE .* HorovodGroupedAllreduce_", out, re.M), out
+        assert "HorovodAllreduce_stack" not in out, out
+        return
+    subprocess.run([*tool, str(workdir)], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    with open(workdir / "step_timeline.json") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 3 and 0 < summary["compute_busy"] <= summary["step"]
+    # Per step under MWMS: the gradients' all-reduce (in the optimizer's name scope) and the loss with the
+    # stop flag, nothing else (BatchNorm's statistics are averaged once per loop, not per step).
+    assert set(summary["collectives"]) == {"sgd/CollectiveReduceV2", "CollectiveReduceV2"}
+    assert summary["collectives"]["sgd/CollectiveReduceV2"]["calls"] == 1.0
 
 
 @pytest.mark.slow

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Where a step's time goes: medians per step from a TensorFlow profiler trace, or from Horovod's timeline.
+
+    python tools/step_timeline.py WORKDIR [--step_event=batch_step]   # a run with --config.profile_steps=A,B
+    python tools/step_timeline.py --horovod_timeline=FILE             # a run started with HOROVOD_TIMELINE=FILE
+
+The profiler trace (the chief's, under WORKDIR/tensorboard/plugins/profile/) gives, for each profiled
+step (an execution of the tf.function named `--step_event`: the benchmark's `batch_step`, a training
+run's `train_loop`): its wall time, the time TensorFlow's compute threads were busy (the union of their
+op executions), the rest (those threads idle: waiting on a collective or on the host), and each
+collective op by name (MultiWorkerMirroredStrategy's CollectiveReduceV2; the gradients' all-reduce
+runs under the optimizer's name scope, e.g. `sgd/`). Horovod runs its collectives on a thread of its
+own that the trace does not show; its timeline does: per tensor group, NEGOTIATE_ALLREDUCE (from this
+rank submitting it to every rank having submitted it: the wait for the slowest rank) and ALLREDUCE
+(the transfer itself). docs/benchmarking.md reads both for 1 vs 2 loopback workers.
+"""
+
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+
+from absl import app, flags
+
+_STEP_EVENT = flags.DEFINE_string("step_event", "batch_step", "Name of the tf.function whose executions are steps.")
+_HOROVOD_TIMELINE = flags.DEFINE_string("horovod_timeline", None, "A Horovod timeline (HOROVOD_TIMELINE) to summarise.")
+
+
+def _union_ps(intervals) -> int:
+    total, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total, end = total + stop - start, stop
+        elif stop > end:
+            total, end = total + stop - end, stop
+    return total
+
+
+def host_events(workdir: str) -> list[tuple[str, str, int, int]]:
+    """(thread, event name, start ps, end ps) of the host plane of the newest trace under `workdir`."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # TensorFlow's own trace format
+
+    traces = sorted(glob.glob(os.path.join(workdir, "tensorboard", "plugins", "profile", "*", "*.xplane.pb")))
+    if not traces:
+        sys.exit(f"step_timeline: no profiler trace under {workdir}/tensorboard/plugins/profile "
+                 "(run with --config.profile_steps=START,END)")
+    space = xplane_pb2.XSpace()
+    with open(traces[-1], "rb") as f:
+        space.ParseFromString(f.read())
+    plane = next(p for p in space.planes if p.name == "/host:CPU")
+    names = {key: meta.name for key, meta in plane.event_metadata.items()}
+    events = []
+    for line in plane.lines:
+        origin_ps = line.timestamp_ns * 1000
+        for event in line.events:
+            start = origin_ps + event.offset_ps
+            events.append((line.name, names.get(event.metadata_id, "?"), start, start + event.duration_ps))
+    return events
+
+
+def step_breakdown(events, step_event: str) -> dict:
+    """Median ms per step of wall, compute busy and compute idle; each collective op's mean ms and calls per step."""
+    steps = sorted((start, end) for _, name, start, end in events if name == step_event)
+    if not steps:
+        sys.exit(f"step_timeline: the trace has no event named {step_event!r} (see --step_event)")
+    rows, collectives = [], collections.defaultdict(list)
+    for first, last in steps:
+        inside = [(thread, name, start, end) for thread, name, start, end in events if first <= start and end <= last]
+        busy = _union_ps([(start, end) for thread, name, start, end in inside
+                          if thread.startswith("tf_Compute") and name == "ExecutorState::Process"])
+        rows.append({"step": (last - first) / 1e9, "compute_busy": busy / 1e9, "compute_idle": (last - first - busy) / 1e9})
+        per_name = collections.defaultdict(list)
+        for _, name, start, end in inside:
+            if name.split(":")[0].endswith(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastRecvV2")):
+                per_name[name.split(":")[0]].append((start, end))
+        for name, intervals in per_name.items():
+            collectives[name].append((_union_ps(intervals) / 1e9, len(intervals)))
+    summary = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    summary["steps"] = len(rows)
+    summary["collectives"] = {name: {"ms": sum(ms for ms, _ in found) / len(rows), "calls": sum(n for _, n in found) / len(rows)}
+                              for name, found in sorted(collectives.items())}
+    return summary
+
+
+def horovod_activities(path: str) -> dict:
+    """{(tensor group, activity): [durations ms]} of a Horovod timeline (rank 0's view)."""
+    with open(path) as f:
+        text = f.read().rstrip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")  # still open while the job runs
+    groups = {e["pid"]: e["args"].get("name", "?") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    open_events, durations = collections.defaultdict(list), collections.defaultdict(list)
+    for e in events:
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "B":
+            open_events[key].append(e)
+        elif e.get("ph") == "E" and open_events[key]:
+            begin = open_events[key].pop()
+            # A grouped all-reduce shows one process per tensor ("..._3of29"): fold them into one group.
+            group = re.sub(r"_\d+of\d+$", "", groups.get(e["pid"], "?"))
+            durations[(group, begin.get("name"))].append((e["ts"] - begin["ts"]) / 1000)
+    return durations
+
+
+def main(argv):
+    if _HOROVOD_TIMELINE.value:
+        for (group, activity), ms in sorted(horovod_activities(_HOROVOD_TIMELINE.value).items()):
+            print(f"{activity:28s} median {statistics.median(ms):7.3f} ms over {len(ms):5d} events  {group[:80]}")
+        return
+    if len(argv) != 2:
+        sys.exit("usage: step_timeline.py WORKDIR | --horovod_timeline=FILE")
+    summary = step_breakdown(host_events(argv[1]), _STEP_EVENT.value)
+    print(f"{summary['steps']} profiled steps, median ms: step {summary['step']:.2f}, compute busy "
+          f"{summary['compute_busy']:.2f}, compute idle {summary['compute_idle']:.2f}")
+    for name, figures in summary["collectives"].items():
+        print(f"  {name:40s} {figures['ms']:7.2f} ms per step (mean), {figures['calls']:.1f} calls")
+    with open(os.path.join(argv[1], "step_timeline.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
