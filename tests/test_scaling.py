@@ -94,6 +94,17 @@ def test_sweep_runs_one_and_two_workers_and_reports(tmp_path):
     assert (f"| mwms synthetic | 2 | {' / '.join(f'{100 * e:.1f}%' for e in efficiencies)} | "
             f"{100 * statistics.median(efficiencies):.1f}% | {100 * abs(efficiencies[0] - efficiencies[1]):.1f} pts |"
             in result.stdout)
+    # The host's ceiling: in each round two independent 1-worker jobs side by side, their mean rate over the round's
+    # 1-worker rate, printed beside the efficiency they bound.
+    independent = [[json.loads((tmp_path / f"independent_2x1_round{r}" / f"job{i}" / "benchmark.json").read_text())
+                    for i in (0, 1)] for r in (1, 2)]
+    assert all(job["num_workers"] == 1 and job["global_batch_size"] == 8 for jobs in independent for job in jobs)
+    ceilings = [statistics.mean(job["total_images_per_sec"] for job in jobs) / reports[1, r]["total_images_per_sec"]
+                for r, jobs in zip((1, 2), independent)]
+    assert json.loads((tmp_path / "ceiling.json").read_text()) == {"2": ceilings}
+    ceiling, efficiency = statistics.median(ceilings), statistics.median(efficiencies)
+    assert (f"| 2 | {' / '.join(f'{100 * c:.1f}%' for c in ceilings)} | {100 * ceiling:.1f}% | "
+            f"{100 * efficiency:.1f}% ({efficiency / ceiling:.2f}) |") in result.stdout
     x1, x2 = (reports[n, 1]["total_images_per_sec"] for n in (1, 2))  # the prediction is of the first round
     assert (tmp_path / "report.png").stat().st_size > 10_000
     report = (tmp_path / "report.md").read_text()

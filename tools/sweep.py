@@ -13,6 +13,12 @@ every other round) and computes its efficiencies within the round, so the host's
 cancels out; the report gives each efficiency's median over rounds and its range. Writes
 WORKDIR/<backend>_<N>_round<k>/benchmark.json, WORKDIR/report.md and WORKDIR/report.png.
 
+With --ceiling (default) each round also runs, for each worker count N above one, N independent
+1-worker benchmarks side by side (the first backend; WORKDIR/independent_<N>x1_round<k>/job<i>/):
+they share the host as N workers do, without communicating, so their mean rate over one worker's
+alone is the host's ceiling for N-worker efficiency; the report gives it beside each backend's
+efficiency (WORKDIR/ceiling.json).
+
 With --predict (default) each worker count above one also runs the all-reduce benchmark
 (benchmark.mode=allreduce) right after its step benchmark, and tfscale-plan predicts that point from
 the 1-worker rate and that all-reduce table alone (the link fitted as tfscale.plan.link_from_allreduce
@@ -48,6 +54,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds of every point, back to back
                                lower_bound=1)
 _PREDICT = flags.DEFINE_bool("predict", True, "Also measure the all-reduce table at each worker count > 1 and print "
                              "tfscale-plan's prediction from it and the 1-worker run beside the measurement.")
+_CEILING = flags.DEFINE_bool("ceiling", True, "In every round, also run N independent 1-worker benchmarks side by side for "
+                              "each N > 1 (the first backend, no communication): this host's ceiling for N-worker "
+                              "efficiency.")
 _ALLREDUCE_MAX_BYTES = flags.DEFINE_integer("allreduce_max_bytes", 16 << 20, "--predict: largest all-reduce message.")
 
 _BACKEND_NAMES = ("mwms", "horovod")  # launcher and config spell them alike
@@ -94,6 +103,45 @@ def measure(backend: str, num_workers: int, overrides: list[str], mode: str = ""
     last = next(line for line in reversed(result.stdout.splitlines()) if line.strip())
     print(f"sweep: {name}: {last.split('] ')[-1]}", flush=True)
     return os.path.join(workdir, "benchmark.json")
+
+
+def measure_side_by_side(num_workers: int, overrides: list[str], round_number: int) -> list[str]:
+    """`num_workers` 1-worker benchmarks at once, each its own job: what sharing the host costs without any
+    communication. Returns their benchmark.json paths."""
+    backend = _BACKENDS.value[0]
+    name = f"independent_{num_workers}x1_round{round_number}"
+    root = os.path.join(os.path.abspath(_WORKDIR.value), name)
+    shutil.rmtree(root, ignore_errors=True)
+    workdirs = [os.path.join(root, f"job{i}") for i in range(num_workers)]
+    print(f"sweep: {name} ...", flush=True)
+    jobs = [subprocess.Popen(benchmark_command(backend, 1, workdir, _MODE.value, overrides), cwd=_REPO, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}) for workdir in workdirs]
+    for job in jobs:
+        _, stderr = job.communicate()
+        if job.returncode != 0:
+            sys.exit(f"sweep: {name} failed (exit {job.returncode}):\n{stderr[-3000:]}")
+    paths = [os.path.join(workdir, "benchmark.json") for workdir in workdirs]
+    rates = [read(path)["total_images_per_sec"] for path in paths]
+    print(f"sweep: {name}: images/sec {' / '.join(f'{rate:.2f}' for rate in rates)}", flush=True)
+    return paths
+
+
+def ceiling_table(ceilings: dict[int, list[float]], tables: dict[str, list[dict]]) -> str:
+    """Per worker count: the side-by-side runs' mean rate over the round's 1-worker rate, each round and the
+    median; beside it each series' median efficiency and the share of the ceiling it reaches."""
+    series = list(tables)
+    lines = ["| workers | ceiling, each round | median | " + " | ".join(f"{s} efficiency (of the ceiling)" for s in series)
+             + " |", "|---:|---|---:|" + "---:|" * len(series)]
+    for n, per_round in sorted(ceilings.items()):
+        ceiling = statistics.median(per_round)
+        cells = []
+        for s in series:
+            efficiency = next(row["efficiency"] for row in tables[s] if row["workers"] == n)
+            cells.append(f"{100 * efficiency:.1f}% ({efficiency / ceiling:.2f})")
+        lines.append(f"| {n} | {' / '.join(f'{100 * c:.1f}%' for c in per_round)} | {100 * ceiling:.1f}% | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def read(path: str) -> dict:
@@ -156,15 +204,24 @@ def main(argv):
     counts = [int(n) for n in _WORKERS.value]
     if _PREDICT.value and 1 not in counts:
         sys.exit("sweep: --predict needs a 1-worker run in --workers (the plan's reference)")
+    if _CEILING.value and 1 not in counts:
+        sys.exit("sweep: --ceiling needs a 1-worker run in --workers (what the side-by-side runs are compared with)")
     points = [(n, backend) for n in counts for backend in _BACKENDS.value]
-    round_paths, allreduce_paths = [], {}
+    if _CEILING.value:  # after the backends' points at each worker count (before them in reversed rounds)
+        points = [point for n in counts for point in
+                  [(n, backend) for backend in _BACKENDS.value] + ([(n, "side_by_side")] if n > 1 else [])]
+    round_paths, allreduce_paths, side_by_side = [], {}, []
     for round_index in range(_ROUNDS.value):
-        paths = {}
+        paths, independent = {}, {}
         for n, backend in points if round_index % 2 == 0 else reversed(points):
+            if backend == "side_by_side":
+                independent[n] = measure_side_by_side(n, overrides, round_number=round_index + 1)
+                continue
             paths[backend, n] = measure(backend, n, overrides, round_number=round_index + 1)
             if _PREDICT.value and n > 1 and round_index == 0:  # each all-reduce table right after its step benchmark
                 allreduce_paths[backend, n] = measure(backend, n, overrides, mode="allreduce")
         round_paths.append(paths)
+        side_by_side.append(independent)
     tables = median_over_rounds([scaling.scaling_rows(scaling.load(list(paths.values())),
                                                       reference_workers=_REFERENCE.value) for paths in round_paths])
     workdir = os.path.abspath(_WORKDIR.value)
@@ -172,6 +229,15 @@ def main(argv):
              f"{_THREADS.value or 'default'} thread(s)/worker, median of {_ROUNDS.value} round(s)")
     report = scaling.write_report(tables, os.path.join(workdir, "report.md"), os.path.join(workdir, "report.png"), title)
     sections = ["\n## Efficiency in each round (paired within the round)\n\n" + rounds_table(tables) + "\n"]
+    if any(side_by_side):
+        # the mean rate of N independent jobs over the same round's 1-worker rate (of the first backend)
+        one_worker = [read(paths[_BACKENDS.value[0], 1])["total_images_per_sec"] for paths in round_paths]
+        ceilings = {n: [statistics.mean(read(p)["total_images_per_sec"] for p in independent[n]) / one
+                        for independent, one in zip(side_by_side, one_worker)] for n in side_by_side[0]}
+        sections.append("\n## Ceiling without communication: N independent 1-worker runs side by side, each at this share "
+                        "of one alone\n\n" + ceiling_table(ceilings, tables) + "\n")
+        with open(os.path.join(workdir, "ceiling.json"), "w") as f:
+            json.dump({str(n): per_round for n, per_round in ceilings.items()}, f, indent=1)
     if allreduce_paths:
         first_round = {(r["backend"], r["num_workers"]): r for r in map(read, round_paths[0].values())}
         rows = []
