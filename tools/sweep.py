@@ -60,6 +60,7 @@ _CEILING = flags.DEFINE_bool("ceiling", True, "In every round, also run N indepe
 _ALLREDUCE_MAX_BYTES = flags.DEFINE_integer("allreduce_max_bytes", 16 << 20, "--predict: largest all-reduce message.")
 
 _BACKEND_NAMES = ("mwms", "horovod")  # launcher and config spell them alike
+_SIDE_BY_SIDE = "side_by_side"  # in the list of points: the independent 1-worker jobs of the ceiling
 flags.register_validator("backends", lambda names: set(names) <= set(_BACKEND_NAMES), "--backends: mwms and/or horovod")
 
 
@@ -206,15 +207,14 @@ def main(argv):
         sys.exit("sweep: --predict needs a 1-worker run in --workers (the plan's reference)")
     if _CEILING.value and 1 not in counts:
         sys.exit("sweep: --ceiling needs a 1-worker run in --workers (what the side-by-side runs are compared with)")
-    points = [(n, backend) for n in counts for backend in _BACKENDS.value]
-    if _CEILING.value:  # after the backends' points at each worker count (before them in reversed rounds)
-        points = [point for n in counts for point in
-                  [(n, backend) for backend in _BACKENDS.value] + ([(n, "side_by_side")] if n > 1 else [])]
+    # The side-by-side jobs of N come after the backends' N-worker points (before them in reversed rounds).
+    points = [point for n in counts for point in [(n, backend) for backend in _BACKENDS.value]
+              + ([(n, _SIDE_BY_SIDE)] if _CEILING.value and n > 1 else [])]
     round_paths, allreduce_paths, side_by_side = [], {}, []
     for round_index in range(_ROUNDS.value):
         paths, independent = {}, {}
         for n, backend in points if round_index % 2 == 0 else reversed(points):
-            if backend == "side_by_side":
+            if backend == _SIDE_BY_SIDE:
                 independent[n] = measure_side_by_side(n, overrides, round_number=round_index + 1)
                 continue
             paths[backend, n] = measure(backend, n, overrides, round_number=round_index + 1)
