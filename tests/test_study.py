@@ -454,3 +454,52 @@ def test_lr_scaling_cells_train_with_the_lrs_of_the_theses_experiments():
     assert [gradual(s) for s in (0, spe - 1, spe)] == pytest.approx([0.05, 0.05, 1.6])  # from 1 replica's LR (Exp 8)
     _, spe, gradual = lr_scaling_cell("gradual2")
     assert [gradual(s) for s in (0, spe, 2 * spe, 3 * spe)] == pytest.approx([0.05, 0.825, 1.6, 0.16])  # Exp 9
+
+
+# --- the committed reports (docs/studies/): their tables are the runner's, from their study.json -------------------
+
+
+def report_of(study_file: str) -> str:
+    """The report a study file's docstring names (docs/studies/NAME.md)."""
+    import re
+
+    reports = re.findall(r"docs/studies/[\w.-]+\.md", study_docstring(study_file))
+    assert len(set(reports)) == 1, f"{study_file} names {reports}"
+    return os.path.join(REPO, reports[0])
+
+
+REPORTED_STUDIES = [path for path in STUDY_FILES if os.path.exists(report_of(path).removesuffix(".md") + ".json")]
+
+
+def same_numbers(a, b) -> bool:
+    """Equal JSON values, nan equal to nan (a cell with one run has no std)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_numbers(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_numbers(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def test_the_lr_scaling_study_has_its_report_data_committed():
+    assert os.path.join(REPO, "studies", "lr_scaling_fmnist.py") in REPORTED_STUDIES
+
+
+@pytest.mark.parametrize("path", REPORTED_STUDIES, ids=os.path.basename)
+def test_a_committed_reports_tables_are_what_the_runner_writes_from_its_study_json(path):
+    report = report_of(path)
+    with open(report.removesuffix(".md") + ".json") as f:
+        stored = json.load(f)
+    # The stored runs are this study file's: its cells, overrides and seeds, every run finished.
+    assert same_numbers(stored["study"], json.loads(json.dumps(tfs_study.load_study(path))))
+    assert all([run["seed"] for run in stored["runs"][cell.name]] == list(cell.seeds)
+               for cell in tfs_study.cells_of(stored["study"]))
+    # The per-cell figures and the comparisons are those the runs give ...
+    results = stored["runs"]
+    assert same_numbers(stored["cells"], tfs_study.cell_statistics(results, stored["study"]["baseline"]))
+    assert same_numbers(stored.get("comparisons", []),
+                        tfs_study.comparison_statistics(results, stored["study"].get("comparisons", [])))
+    # ... and the report holds the runner's tables from them, in the study file's order, unedited.
+    with open(report) as f:
+        assert tfs_study.tables_from_json(stored) in f.read()

@@ -328,7 +328,8 @@ def report(study: dict, workdir: str) -> dict[str, dict]:
     table = cell_statistics(results, study["baseline"])
     tfio.write_json(os.path.join(workdir, "study.json"),
                     {"study": study, "cells": table, "runs": results,
-                     "comparisons": comparison_statistics(results, study.get("comparisons", []))}, sort_keys=True)
+                     "comparisons": comparison_statistics(results, study.get("comparisons", []))})  # keys in the
+    # study file's order, so tables_from_json lists the cells as study.md does
     tfio.write_bytes(os.path.join(workdir, "study.md"), markdown(study, table, results).encode())
     plot(study, table, os.path.join(workdir, "study.png"))
     study_hparams.write(workdir, [study_hparams.RunSpec(cell.name, seed, cell.overrides,
