@@ -113,7 +113,9 @@ class _Trainer:
 
         @tf.function
         def train_step(inputs, labels):
-            return engine.run_replica_step(cluster, replica_step, inputs, labels, tf.constant(0.0))
+            # The job's loss, as a loop returns it after its last step.
+            return cluster.sum_over_processes(engine.run_replica_step(cluster, replica_step, inputs, labels,
+                                                                      tf.constant(0.0)))
 
         @tf.function
         def read_weights():  # each replica's own copy, read inside the replicas

@@ -89,13 +89,21 @@ def _device_batch(cluster, input_fn):
 
 
 def make_batch_step(cfg, cluster, model, optimizer):
-    """The training step the loop runs (engine), on a given (distributed) batch instead of an iterator."""
+    """The training step the loop runs (engine), on a given (distributed) batch instead of an iterator;
+    returns [this worker's mean loss, 0].
+
+    The loss is this worker's own, as tf_cnn_benchmarks prints its own: the training loop sums the
+    losses over the job once per loop, so summing them every step here would time an all-reduce that
+    training does not make.
+    """
     replica_step = engine.make_replica_step(cfg, cluster, model, optimizer)
     no_stop = tf.constant(0.0)
+    # A worker's sums are its share of the global batch's mean loss: 1 / workers of it on average.
+    to_worker_mean = tf.constant([float(cluster.size), 1.0])
 
     @tf.function
     def batch_step(batch):
-        return engine.run_replica_step(cluster, replica_step, *batch, no_stop)
+        return engine.run_replica_step(cluster, replica_step, *batch, no_stop) * to_worker_mean
 
     return batch_step
 

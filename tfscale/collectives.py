@@ -74,13 +74,9 @@ class Collectives(abc.ABC):
 
     saving_is_collective: bool  # every worker must take part in a checkpoint save
     averages_gradients: bool  # the gradient reduction averages (True) or sums (False) the replicas'
-    step_sums_ride_on_gradients: bool = False  # `gradients_and_step_sums` reduces both in one collective
 
     @abc.abstractmethod
     def gradients_for_apply(self, grads: list[tf.Tensor]) -> list[tf.Tensor]: ...
-
-    def gradients_and_step_sums(self, grads: list[tf.Tensor], step_sums: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor]:
-        raise NotImplementedError(f"{type(self).__name__} reduces a step's sums apart from its gradients")
 
     @abc.abstractmethod
     def standalone_gradient_all_reduce(self, grads: list[tf.Tensor]) -> list[tf.Tensor]: ...
@@ -167,7 +163,12 @@ class StrategyCollectives(Collectives):
         return [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(pieces, values)]
 
     def sum_over_processes(self, tensor):
-        return tensor  # the strategy's `reduce` has summed over every worker already
+        # A strategy reduce sums over replicas; each worker's replicas share its value (one all-reduce).
+        # Each replica returns a tensor of its own: one tensor returned by all is not per-replica, and
+        # MirroredStrategy refuses to sum it.
+        share = tensor / len(self.strategy.extended.worker_devices)
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(lambda: tf.identity(share)),
+                                    axis=None)
 
     def sum_over_workers(self, rows):
         # A strategy reduce sums over replicas; each worker's replicas share its row.
@@ -212,17 +213,6 @@ class HorovodCollectives(Collectives):
         # sooner (float16 ends at 65504). Each rank scales its share by 1/N first, then they are summed.
         return self.hvd.grouped_allreduce(grads, op=self.hvd.Sum, prescale_factor=1.0 / self.hvd.size(),
                                           compression=self.hvd.Compression.fp16)
-
-    @property
-    def step_sums_ride_on_gradients(self):
-        return not self.fp16_allreduce  # float16 would round the loss to 3 digits
-
-    def gradients_and_step_sums(self, grads, step_sums):
-        # The sums join the gradients' grouped all-reduce: one negotiation and one Gloo/NCCL round a
-        # step instead of two (an 8-byte all-reduce cost as much as the 0.3 MB gradients on loopback).
-        # Average divides by the ranks after summing; multiplying back gives the sum.
-        *grads, step_sums = self.hvd.grouped_allreduce([*grads, step_sums], op=self.hvd.Average)
-        return grads, step_sums * self.hvd.size()
 
     def standalone_gradient_all_reduce(self, grads):
         return self.gradients_for_apply(grads)

@@ -87,19 +87,6 @@ class Cluster:
         """
         return self._collectives.gradients_for_apply(grads)
 
-    @property
-    def step_sums_ride_on_gradients(self) -> bool:
-        """Whether `gradients_and_step_sums` can sum a step's loss and stop flag in the gradients' all-reduce."""
-        return self._collectives.step_sums_ride_on_gradients
-
-    def gradients_and_step_sums(self, grads: list[tf.Tensor], step_sums: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor]:
-        """(`gradients_for_apply(grads)`, `step_sums` summed over every replica of the job), in one collective.
-
-        Only where `step_sums_ride_on_gradients` (Horovod without float16 compression); under
-        tf.distribute Keras' `apply_gradients` owns the gradient all-reduce, so the sums travel apart.
-        """
-        return self._collectives.gradients_and_step_sums(grads, step_sums)
-
     def standalone_gradient_all_reduce(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
         """The cross-replica gradient reduction of a training step, as an op of its own (inside a replica step).
 
@@ -140,7 +127,7 @@ class Cluster:
         return self._collectives.mean_over_household(values)
 
     def sum_over_processes(self, tensor: tf.Tensor) -> tf.Tensor:
-        """Sums a per-process value over all processes (a strategy's `reduce` already did for MWMS)."""
+        """Sums a per-process value over all processes, in one all-reduce (call in a tf.function)."""
         return self._collectives.sum_over_processes(tensor)
 
     def gather_per_worker(self, values: list[float]) -> list[list[float]]:

@@ -33,7 +33,6 @@ import glob
 import importlib.metadata
 import importlib.util
 import io as std_io
-import json
 import os
 import statistics
 import sys

@@ -216,22 +216,16 @@ def accumulate(loss_and_grads, micro_batches: int, variables):
 
 
 def make_replica_step(cfg, cluster, model, optimizer):
-    """`replica_step(images, labels, stop_requested) -> [loss, stop flag]`: one replica's part of a step.
-
-    It returns this replica's shares of the two (`run_replica_step` sums them over the job), or, where
-    `cluster.step_sums_ride_on_gradients`, their job sums already, reduced with the gradients.
-    """
+    """`replica_step(images, labels, stop_requested) -> [loss, stop flag]`: one replica's part of a step,
+    returning this replica's shares of the two (a loop sums them over the job after its last step)."""
     loss_and_grads = make_loss_and_grads(cfg, cluster, model, optimizer)
 
     def replica_step(images, labels, stop_requested):
         loss_share, grads = loss_and_grads(images, labels)
-        # The stop flag rides on the loss all-reduce: if any worker got SIGTERM, every worker
-        # learns it at the same step and they checkpoint together (saving is a collective).
+        # The stop flag travels with the loss: if any worker got SIGTERM, every worker learns it at
+        # the same loop end and they checkpoint together (saving is a collective).
         step_sums = tf.stack([loss_share, stop_requested])
-        if cluster.step_sums_ride_on_gradients:
-            grads, step_sums = cluster.gradients_and_step_sums(grads, step_sums)
-        else:
-            grads = cluster.gradients_for_apply(grads)
+        grads = cluster.gradients_for_apply(grads)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             # Keras decides to skip a float16 step per replica, before the all-reduce: all must agree.
             grads = cluster.agree_on_finite(grads)
@@ -242,10 +236,11 @@ def make_replica_step(cfg, cluster, model, optimizer):
 
 
 def run_replica_step(cluster, replica_step, images, labels, stop_requested):
-    """Runs `replica_step` on every replica; returns [mean loss over the global batch, replicas stopping]."""
+    """Runs `replica_step` on every replica; returns its [loss share, replicas stopping] summed over this
+    worker's replicas, with no collective (`cluster.sum_over_processes` finishes them): a job's sums are
+    the mean loss over the global batch and the replicas stopping."""
     per_replica = cluster.strategy.run(replica_step, args=(images, labels, stop_requested))
-    summed = cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-    return summed if cluster.step_sums_ride_on_gradients else cluster.sum_over_processes(summed)
+    return tf.add_n(cluster.strategy.experimental_local_results(per_replica))
 
 
 def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learning_rate=None):
@@ -253,10 +248,13 @@ def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learni
 
     `train_loop(iterator, stop_requested, num_steps) -> (losses, replicas stopping)`: `losses[i]` is
     step i's mean loss over the global batch; the stop count (replicas whose worker was asked to
-    stop) is the last step's. Before each step the optimizer's LR is set to `learning_rate(step)` (a tensor function
-    of the run's step counter: a `LearningRate`; None keeps the
-    LR), and after it `step` is advanced: the LR changes every step although the host sees only the
-    loop's end. This is Orbit's `steps_per_loop` / Keras' `steps_per_execution`.
+    stop) is the last step's. Each worker keeps its own steps' sums during the loop and the job sums
+    them in one all-reduce after its last step: the host reads neither sooner, and a per-step
+    all-reduce of 8 bytes cost ~2 ms a step on loopback (docs/benchmarking.md). Before each step the
+    optimizer's LR is set to `learning_rate(step)` (a tensor function of the run's step counter: a
+    `LearningRate`; None keeps the LR), and after it `step` is advanced: the LR changes every step
+    although the host sees only the loop's end. This is Orbit's `steps_per_loop` / Keras'
+    `steps_per_execution`.
 
     Each replica updates its own BatchNorm moving statistics during the loop; they are averaged over
     the replicas once, after its last step, so eval, checkpoints and export (which run between loops)
@@ -275,31 +273,32 @@ def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learni
         if not cfg.model.sync_bn:  # synchronized BatchNorm computes identical statistics everywhere
             cluster.strategy.run(lambda: cluster.average_replica_state(model.non_trainable_variables))
 
-    return compiled_loop(global_step, optimizer, step, learning_rate, after_last_step=average_batch_norm_state)
+    return compiled_loop(global_step, optimizer, step, learning_rate, cluster.sum_over_processes,
+                         after_last_step=average_batch_norm_state)
 
 
-def compiled_loop(global_step, optimizer, step: tf.Variable, learning_rate, after_last_step=None):
-    """`train_loop(iterator, stop_requested, num_steps)` running `global_step` (-> [mean loss, replicas
-    stopping]) `num_steps` times in one tf.function, the LR set before and `step` advanced after each;
-    then `after_last_step()`, if given."""
+def compiled_loop(global_step, optimizer, step: tf.Variable, learning_rate, job_sums, after_last_step=None):
+    """`train_loop(iterator, stop_requested, num_steps)` running `global_step` (-> this worker's [loss,
+    replicas stopping] sums) `num_steps` times in one tf.function, the LR set before and `step` advanced
+    after each; then `after_last_step()`, if given, and `job_sums` of every step's sums in one call."""
 
     @tf.function
     def train_loop(iterator, stop_requested, num_steps):
+        # A step's only collective is its gradients' all-reduce: each reads the weights the previous
+        # one wrote, so they run in order (Horovod refuses a collective whose name, the same in every
+        # iteration, is still in flight).
         losses = tf.TensorArray(tf.float32, size=num_steps)
         stopping = tf.constant(0.0)
         for i in tf.range(num_steps):
             if learning_rate is not None:
                 optimizer.learning_rate.assign(learning_rate(step))
-            # Each step waits for the previous step's loss all-reduce: nothing else orders them, and
-            # Horovod refuses a collective whose name (the same in every iteration) is still in flight.
-            with tf.control_dependencies([stopping]):
-                loss, stopping = tf.unstack(global_step(iterator, stop_requested))
+            loss, stopping = tf.unstack(global_step(iterator, stop_requested))
             step.assign_add(1)
             losses = losses.write(i, loss)
         if after_last_step is not None:
-            with tf.control_dependencies([stopping]):  # after the last step's collectives (Horovod: see above)
-                after_last_step()
-        return losses.stack(), stopping
+            after_last_step()
+        sums = job_sums(tf.concat([losses.stack(), [stopping]], axis=0))
+        return sums[:-1], sums[-1]
 
     return train_loop
 
@@ -322,7 +321,7 @@ def make_eval_step(cfg, cluster, model):
     @tf.function
     def eval_step(iterator):
         sums = cluster.strategy.run(replica_step, args=next(iterator))
-        return cluster.sum_over_processes(cluster.strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None))
+        return cluster.sum_over_processes(tf.add_n(cluster.strategy.experimental_local_results(sums)))
 
     return eval_step
 

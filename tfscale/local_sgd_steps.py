@@ -18,8 +18,8 @@ def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, 
     The update is applied outside `strategy.run`, where Keras' `apply_gradients` finds no replica
     context of the strategy to all-reduce in: each worker's variables take its own step. That holds
     for one replica per worker process (`check_local_replicas`): a worker's several replicas would
-    all take the first one's step. The loss and the stop flag still travel as one 2-float all-reduce
-    per step, for the logs and for stopping together.
+    all take the first one's step. The steps' losses and stop flags are summed over the job once, after
+    the loop's last step: without households a local step sends nothing.
     """
     loss_and_grads = engine.make_loss_and_grads(cfg, cluster, model, optimizer, local=True)
     strategy = cluster.strategy
@@ -40,9 +40,9 @@ def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, 
     def global_step(iterator, stop_requested):
         loss_and_stop, grads = strategy.run(replica_grads, args=(*next(iterator), stop_requested))
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return cluster.sum_over_processes(strategy.reduce(tf.distribute.ReduceOp.SUM, loss_and_stop, axis=None))
+        return tf.add_n(strategy.experimental_local_results(loss_and_stop))
 
-    return engine.compiled_loop(global_step, optimizer, step, learning_rate)
+    return engine.compiled_loop(global_step, optimizer, step, learning_rate, cluster.sum_over_processes)
 
 
 def check_local_replicas(cluster) -> None:

@@ -66,9 +66,9 @@ def workload_from_config(cfg, per_gpu_batch: int | None = None, layers=None, bat
         per_gpu_batch=per_gpu_batch or cfg.data.max_per_replica_batch_size or cfg.data.global_batch_size,
         layers=tuple(layers), algorithm="ring", overlap="none", fusion_bytes=fusion,
         wire_factor=0.5 if backend == "horovod" and cfg.distribute.horovod_fp16_allreduce else 1.0,
-        # engine's replica step sums the loss share and stop flag (2 float32); its loop averages BatchNorm's
-        # moving statistics after its last step (unless synchronized BatchNorm made them equal).
-        step_collectives=(8,), loop_collectives=() if cfg.model.sync_bn else (batchnorm_bytes,),
+        # After its last step, engine's loop sums its steps' losses and the stop flag (float32 each) and
+        # averages BatchNorm's moving statistics (unless synchronized BatchNorm made them equal).
+        loop_collectives=(4 * (cfg.train.steps_per_loop + 1), *(() if cfg.model.sync_bn else (batchnorm_bytes,))),
         steps_per_loop=cfg.train.steps_per_loop,
         num_train_examples=cfg.data.num_train_examples, epochs=cfg.train.epochs)
 

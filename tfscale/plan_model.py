@@ -70,9 +70,10 @@ class Workload:
     fusion_bytes: int = 0  # all-reduces of at most this many bytes (0: one message per ready set / step)
     cycle_ms: float = 1.0  # per_tensor: how often ready tensors are collected (Horovod's cycle time)
     wire_factor: float = 1.0  # bytes on the wire per gradient byte (0.5: float16 compression)
-    # Bytes of the step's other all-reduces, none of which hides (tfscale: the loss with the stop flag).
+    # Bytes of the step's other all-reduces, none of which hides (tfscale makes none).
     step_collectives: tuple[int, ...] = ()
-    # Bytes of all-reduces once per `steps_per_loop` steps (tfscale: BatchNorm's moving statistics).
+    # Bytes of all-reduces once per `steps_per_loop` steps (tfscale: the steps' losses with the stop flag,
+    # BatchNorm's moving statistics).
     loop_collectives: tuple[int, ...] = ()
     steps_per_loop: int = 1
     num_train_examples: int = 1_281_167
