@@ -249,8 +249,8 @@ def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learni
     `train_loop(iterator, stop_requested, num_steps) -> (losses, replicas stopping)`: `losses[i]` is
     step i's mean loss over the global batch; the stop count (replicas whose worker was asked to
     stop) is the last step's. Each worker keeps its own steps' sums during the loop and the job sums
-    them in one all-reduce after its last step: the host reads neither sooner, and a per-step
-    all-reduce of 8 bytes cost ~2 ms a step on loopback (docs/benchmarking.md). Before each step the
+    them in one all-reduce after its last step: the host reads neither sooner, and a step's only
+    collective stays its gradients' all-reduce (docs/benchmarking.md). Before each step the
     optimizer's LR is set to `learning_rate(step)` (a tensor function of the run's step counter: a
     `LearningRate`; None keeps the LR), and after it `step` is advanced: the LR changes every step
     although the host sees only the loop's end. This is Orbit's `steps_per_loop` / Keras'
