@@ -44,6 +44,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import time
 
 from absl import app, flags, logging
@@ -312,7 +313,8 @@ def plot(study: dict, table: dict[str, dict], path: str) -> bool:
         axes.set_xticks(sorted({x for points in series.values() for x, _, _ in points}))
         axes.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    axes.set_title(study.get("title", ""), fontsize=10)
+    # Wrapped at about what fits across the 7-inch figure at 10 pt.
+    axes.set_title("\n".join(textwrap.wrap(study.get("title", ""), 85)), fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(title=spec.get("series"))
     figure.tight_layout()
