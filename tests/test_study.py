@@ -456,6 +456,32 @@ def test_lr_scaling_cells_train_with_the_lrs_of_the_theses_experiments():
     assert [gradual(s) for s in (0, spe, 2 * spe, 3 * spe)] == pytest.approx([0.05, 0.825, 1.6, 0.16])  # Exp 9
 
 
+HOUSEHOLD_CELLS = [f"households_sh{sh}_lw{lw}" for lw in (4, 8, 16) for sh in (4, 1)]
+
+
+@pytest.mark.parametrize("cell", HOUSEHOLD_CELLS)
+def test_every_households_cell_keeps_the_effective_batch_and_reads_its_household_shards(cell):
+    """The thesis's Table 5.1 set-up, scaled: 4 households of 2 workers, effective batch 128 at the unscaled
+    LR 0.1, and households reading S_H different shards (S_H = 4: disjoint; S_H = 1: each reads everything)."""
+    from tfscale import local_sgd
+    from tfscale.data.input import assignment
+
+    shards, sync_period = (int(part[2:]) for part in cell.split("_")[1:])
+    cfg, study = cell_config(os.path.join(REPO, "studies", "assignment_households_fmnist.py"), cell)
+    workers = next(c.num_workers for c in tfs_study.cells_of(study) if c.name == cell)
+    assert (workers, cfg.distribute.households, cfg.distribute.household_period) == (8, 4, 1)
+    assert cfg.distribute.sync == "local_sgd" and cfg.distribute.sync_period == sync_period
+    local_batch = cfg.data.global_batch_size // workers
+    assert local_sgd.effective_batch(local_batch, num_workers=8, households=4,
+                                     sync_period=sync_period) == pytest.approx(128, abs=2)
+    assert cfg.optim.lr == pytest.approx(0.1)
+    reads = assignment.membership(cfg.data.num_train_examples, num_workers=8, scheme=cfg.data.assignment,
+                                  copies=cfg.data.copies)
+    household_reads = reads.reshape(4, 2, -1).any(axis=1)  # households of consecutive workers
+    assert household_reads.sum(axis=0).tolist() == [4 // shards] * cfg.data.num_train_examples  # each image
+    assert len({row.tobytes() for row in household_reads}) == shards  # S_H different household shards
+
+
 # --- the committed reports (docs/studies/): their tables are the runner's, from their study.json -------------------
 
 
