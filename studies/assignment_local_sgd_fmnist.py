@@ -3,7 +3,7 @@
     make fashion-mnist
     tfscale-convert --format=idx --input_dir=/usr/share/datasets/fashion-mnist --output_dir=runs/fmnist12k \
         --validation_examples=5000 --train_examples=12800
-    python -m tfscale.study studies/assignment_local_sgd_fmnist.py --workdir=runs/study_assignment
+    python -m tfscale.study studies/assignment_local_sgd_fmnist.py --workdir=runs/study_assignment_local_sgd
 
 ResNet-8 (CIFAR family) on 12,800 Fashion-MNIST training images in 16 shards, 4 MWMS worker processes
 (tfscale.launch on one machine), global batch 128 (32 per worker), LR 0.1 with a 1-epoch gradual
