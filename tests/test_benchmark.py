@@ -168,7 +168,7 @@ def check_step_timeline(backend: str, workdir) -> None:
     """tools/step_timeline.py on the run's trace: each step's collectives, as docs/benchmarking.md reads them."""
     tool = [sys.executable, "tools/step_timeline.py"]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    if backend == "horovod":  # a step's loss and stop flag ride on the gradients' grouped all-reduce
+    if backend == "horovod":  # a step sends its gradients, grouped, and nothing else
         out = subprocess.run([*tool, f"--horovod_timeline={workdir / 'horovod_timeline.json'}"], cwd=REPO, env=env,
                              capture_output=True, text=True, check=True).stdout
         assert re.search(r"^ALLREDUCE .* HorovodGroupedAllreduce_", out, re.M), out
