@@ -181,7 +181,10 @@ def check_step_timeline(backend: str, workdir) -> None:
     # Per step under MWMS: the gradients' all-reduce (in the optimizer's name scope), nothing else: the
     # losses with the stop flag are summed and BatchNorm's statistics averaged once per loop, not per step.
     assert set(summary["collectives"]) == {"sgd/CollectiveReduceV2"}
-    assert summary["collectives"]["sgd/CollectiveReduceV2"]["calls"] == 1.0
+    # At most one a step. Not exactly one: on a loaded 2-core host a step's all-reduce event has been seen
+    # outside its step's event in the trace (0.67 calls a step over 3 steps), and step_timeline counts
+    # only events wholly inside a step.
+    assert 0 < summary["collectives"]["sgd/CollectiveReduceV2"]["calls"] <= 1.0
 
 
 @pytest.mark.slow
@@ -218,10 +221,12 @@ def test_train_loop_vs_keras_fit_comparison(tmp_path):
     comparison = read_report(tmp_path)["keras_fit_comparison"]
     ours, keras_fit = comparison["tfscale_loop_images_per_sec"], comparison["keras_fit_images_per_sec"]
     assert len(comparison["rounds"]["keras_fit"]) == 2 and ours > 0 and keras_fit > 0
+    # The ratios come from the unrounded rates; the stored rounds are rounded to 0.1 images/sec.
     within = sorted(a / b for a, b in zip(comparison["rounds"]["tfscale_loop"], comparison["rounds"]["keras_fit"]))
-    assert comparison["tfscale_vs_keras_fit"] == pytest.approx(statistics.median(within), abs=0.001)
-    assert (f"tfscale = {comparison['tfscale_vs_keras_fit']:.3f}x (rounds {within[0]:.3f}-{within[-1]:.3f}) model.fit"
-            in result.stdout)
+    ratio = comparison["paired_ratio"]
+    assert comparison["tfscale_vs_keras_fit"] == ratio["median"] == pytest.approx(statistics.median(within), abs=0.002)
+    assert (ratio["min"], ratio["max"]) == pytest.approx((within[0], within[-1]), abs=0.002)
+    assert f"tfscale = {ratio['median']:.3f}x (rounds {ratio['min']:.3f}-{ratio['max']:.3f}) model.fit" in result.stdout
 
 
 def test_keras_fit_comparison_refuses_several_workers(tmp_path):
