@@ -31,7 +31,7 @@ of 16-worker runs (docs/studies.md); its E1 varies the worker count, so each M i
 
 import dataclasses
 
-from tfscale import local_sgd
+from tfscale.training import local_sgd
 
 
 @dataclasses.dataclass(frozen=True)

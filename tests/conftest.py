@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from tfscale.workdir import layout
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -97,7 +99,7 @@ def checkpoint_values(workdir):
     """{variable key: value} of the latest checkpoint in a workdir (model, optimizer slots, step)."""
     import tensorflow as tf
 
-    reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
+    reader = tf.train.load_checkpoint(os.path.join(workdir, layout.CHECKPOINTS))
     keys = [k for k in reader.get_variable_to_shape_map() if "OBJECT_GRAPH" not in k and "save_counter" not in k]
     return {k: reader.get_tensor(k) for k in keys}
 
@@ -120,7 +122,7 @@ def frozen_bn_model_and_optimizer(cfg, cluster):
     split over replicas, and its optimizer; built in the cluster's strategy scope."""
     import keras
 
-    from tfscale import engine
+    from tfscale.training import engine
 
     keras.utils.set_random_seed(cfg.seed)
     with cluster.strategy.scope():

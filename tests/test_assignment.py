@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from tfscale.config import names, rules
 from tfscale.data.input import assignment
 
 # (N items, M workers): N < M, N not divisible by M, N divisible by M, single worker, empty.
@@ -106,7 +107,7 @@ def test_share_sizes_on_imagenet():
 
 @pytest.mark.parametrize("n,m,c", [(n, m, c) for n, m, c in _cases() if m <= 8])
 def test_worker_keeps_matches_assign(n, m, c):
-    for scheme in assignment.SCHEMES:
+    for scheme in names.ASSIGNMENT_SCHEMES:
         if scheme == "coarse" and m % c:
             continue
         for r in range(m):
@@ -153,7 +154,7 @@ def test_coarse_forms_groups_of_c_workers_holding_equal_data(n, m, c):
 
 def test_coarse_refuses_copies_not_dividing_the_workers():
     with pytest.raises(ValueError, match=r"copies=3 must divide num_workers=16.*\[1, 2, 4, 8, 16\].*medium_coarse"):
-        assignment.check("coarse", 3, 16)
+        rules.check_assignment("coarse", 3, 16)
 
 
 @pytest.mark.parametrize("n,m,c", [(n, m, c) for n, m, c in STUDY_SIZES if c < m])
@@ -231,17 +232,17 @@ def test_shard_level():
 
 def test_check_errors_name_the_values():
     with pytest.raises(ValueError, match=r"'bogus'.*disjoint.*full.*coarse.*medium_coarse.*fine_grained.*overlap"):
-        assignment.check("bogus", 1, 4)
+        rules.check_assignment("bogus", 1, 4)
     with pytest.raises(ValueError, match=r"copies=0.*num_workers=4"):
-        assignment.check("overlap", 0, 4)
+        rules.check_assignment("overlap", 0, 4)
     with pytest.raises(ValueError, match=r"copies=5.*num_workers=4"):
-        assignment.check("overlap", 5, 4)
+        rules.check_assignment("overlap", 5, 4)
     with pytest.raises(ValueError, match="num_workers.*0"):
-        assignment.check("disjoint", 1, 0)
+        rules.check_assignment("disjoint", 1, 0)
     # copies only matters for overlap (the config default copies=2 must not break M=1 runs)
-    assignment.check("disjoint", 2, 1)
-    assignment.check("full", 7, 1)
-    assignment.check("overlap", 4, 4)
+    rules.check_assignment("disjoint", 2, 1)
+    rules.check_assignment("full", 7, 1)
+    rules.check_assignment("overlap", 4, 4)
     with pytest.raises(ValueError, match="copies=3"):
         assignment.assign(10, rank=0, num_workers=2, scheme="overlap", copies=3)
     with pytest.raises(ValueError, match="rank=2"):

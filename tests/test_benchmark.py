@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from conftest import REPO, load_config, run_cli
 
-from tfscale import baselines, benchmark, validation
+from tfscale.config import validation
 from tfscale.data.convert import convert
+from tfscale.perf import baselines, benchmark
+from tfscale.workdir import layout
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def test_input_benchmark_prints_and_saves_every_pipeline_rate(photo_shards, tmp_
     assert set(printed) == {f"{name}_images_per_sec" for name in
                             ("tfscale", "tfscale_buffer_shuffle", "tfscale_no_shuffle", "model_garden", "decode_only", "keras_baseline", *dali)}
     assert all(rate > 0 for rate in printed.values())
-    with open(os.path.join(tmp_path, "benchmark.json")) as f:
+    with open(os.path.join(tmp_path, layout.BENCHMARK)) as f:
         saved = json.load(f)
     for key, rate in printed.items():
         assert saved[key] == rate
@@ -124,7 +126,7 @@ def check_report_against_output(stdout: str, report: dict) -> None:
 
 
 def read_report(workdir) -> dict:
-    with open(os.path.join(workdir, "benchmark.json")) as f:
+    with open(os.path.join(workdir, layout.BENCHMARK)) as f:
         return json.load(f)
 
 
@@ -138,7 +140,7 @@ def test_synthetic_mode_one_process_with_profiler_trace(tmp_path):
     assert report["mode"] == "synthetic" and report["num_workers"] == 1 and report["config"]["data"]["dataset"] == "synthetic"
     # the device-resident batch: no step waits on an input pipeline
     assert max(report["steps_ms"]["input_wait"]) < 5
-    traces = glob.glob(os.path.join(tmp_path, "tensorboard", "plugins", "profile", "*", "*.xplane.pb"))
+    traces = glob.glob(os.path.join(tmp_path, layout.TENSORBOARD, "plugins", "profile", "*", "*.xplane.pb"))
     assert len(traces) == 1 and os.path.getsize(traces[0]) > 1000, "profile_steps=5,6 must leave one trace for TensorBoard"
 
 
@@ -201,7 +203,7 @@ def test_allreduce_mode_measures_every_size_and_the_models_gradients(backend, tm
     for row in [*report["allreduce"], report["model_gradients"]]:
         assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])  # 2 (n-1) / n = 1 for two replicas
-    from tfscale import models
+    from tfscale.model import models
 
     cfg = load_config("smoke")
     model = models.create_from_config(cfg)
@@ -234,7 +236,7 @@ def test_keras_fit_comparison_refuses_several_workers(tmp_path):
                      "--config.distribute.backend=mirrored", "--config.distribute.num_cpu_devices=2")
     assert result.returncode != 0
     assert "compare_keras_fit=True compares one process on one device" in result.stderr
-    assert not os.path.exists(os.path.join(tmp_path, "benchmark.json"))
+    assert not os.path.exists(os.path.join(tmp_path, layout.BENCHMARK))
 
 
 @pytest.mark.parametrize("window", ["5", "6,5", "0,3", "a,b", "1,2,3"])

@@ -20,9 +20,11 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, load_config, quiet_env
 
-from tfscale import engine, errors, export
+from tfscale import errors, export
 from tfscale.data.convert import convert
 from tfscale.data.input import shard_dir
+from tfscale.training import engine
+from tfscale.workdir import layout
 
 SYNSETS = ("n00000000", "n00000001", "n00000002")  # make_photo_tree.py's class folder names
 TRAIN_ORDER = SYNSETS[::-1]  # not sorted: the train split's order is what labels must follow
@@ -190,14 +192,14 @@ def test_a_run_and_an_export_whose_splits_disagree_on_class_order_are_refused(im
     assert result.returncode == 65  # a data fault (EX_DATAERR), on one line
     assert result.stderr.strip().splitlines()[-1] == f"FATAL data error: {expected} (exit code 65)"
     assert "Traceback" not in result.stderr
-    assert not os.path.exists(workdir / "checkpoints") and not os.path.exists(workdir / "metrics.jsonl")
+    assert not os.path.exists(workdir / layout.CHECKPOINTS) and not os.path.exists(workdir / layout.METRICS)
 
     # A run trained before the validation split was replaced: its export is refused too, before any weights load.
     cfg = load_config("digits", *overrides)
     exported = tmp_path / "trained"
     tf.train.Checkpoint(model=engine.build_model(cfg), global_step=tf.Variable(1, dtype=tf.int64)).save(
-        str(exported / "checkpoints" / "ckpt"))
-    (exported / "config.json").write_text(json.dumps(cfg.to_dict()))
+        str(exported / layout.CHECKPOINTS / "ckpt"))
+    (exported / layout.CONFIG).write_text(json.dumps(cfg.to_dict()))
     with pytest.raises(errors.ManifestError) as refused:
         export.export(str(exported))
     assert str(refused.value) == expected and not os.path.exists(exported / "export")

@@ -23,8 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import REPO, frozen_bn_model_and_optimizer, load_config, read_jsonl, run_cli  # noqa: E402
 
 from tfscale import config as tfs_config  # noqa: E402
-from tfscale import distribute, engine, init_from, local_sgd_steps, optim, validation  # noqa: E402
+from tfscale.cluster import distribute  # noqa: E402
+from tfscale.config import validation
 from tfscale.data.input import pipeline  # noqa: E402
+from tfscale.model import optim
+from tfscale.training import engine, init_from, local_sgd_steps
+from tfscale.workdir import layout
 
 CLIP = 0.05  # the smoke model's gradient norm at initialisation is 0.2-0.4: every step below is clipped
 
@@ -172,7 +176,7 @@ def test_cli_run_logs_the_smoothed_loss_and_applies_the_clipped_update(tmp_path)
     result = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}", *overrides)
     assert result.returncode == 0, result.stderr[-4000:]
 
-    (row,) = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "loss" in r]
+    (row,) = [r for r in read_jsonl(os.path.join(workdir, layout.METRICS)) if "loss" in r]
     assert row["step"] == 1
     smoothed = numpy_cross_entropy(step_logits, labels.numpy(), 0.1)
     # The unsmoothed loss lies 100 tolerances away (a near-uniform prediction would put it at ~0).

@@ -9,8 +9,8 @@ import pytest
 from absl import flags
 from conftest import REPO, load_config, run_cli
 
-from tfscale import validation
 from tfscale import config as tfs_config
+from tfscale.config import validation
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
 # Replica counts each recipe is written for (the file name says it).
@@ -273,8 +273,8 @@ def test_recipe_on_one_replica_is_refused_before_anything_is_built(tmp_path):
 
 
 def test_dispatch_names_equal_the_implementing_modules():
-    from tfscale import models, optim
     from tfscale.data.input import batch_augment, preprocess
+    from tfscale.model import models, optim
 
     assert tfs_config.MODEL_NAMES == tuple(models.MODELS)
     assert tfs_config.OPTIMIZERS == optim.OPTIMIZERS
@@ -285,10 +285,10 @@ def test_dispatch_names_equal_the_implementing_modules():
 def test_validate_does_not_import_tensorflow():
     script = (
         "import sys\n"
-        "import tfscale.config, tfscale.validation\n"
+        "import tfscale.config, tfscale.config.validation\n"
         "cfg = tfscale.config.base_config()\n"
         "cfg.data.dataset = 'synthetic'\n"
-        "tfscale.validation.validate(cfg, num_replicas=1)\n"
+        "tfscale.config.validation.validate(cfg, num_replicas=1)\n"
         "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'tensorflow', 'keras'})\n"
         "assert not loaded, loaded\n"
     )

@@ -19,6 +19,7 @@ import tensorflow as tf
 from conftest import REPO, quiet_env
 
 from tfscale.data.convert import arrays
+from tfscale.workdir import layout
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -276,7 +277,7 @@ def test_converted_idx_trains_through_the_cli(tmp_path):
          "--config.schedule.warmup_epochs=0.5", "--config.data.global_batch_size=32"],
         cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.load(open(tmp_path / "run" / "summary.json"))
+    summary = json.load(open(tmp_path / "run" / layout.SUMMARY))
     assert summary["steps"] == 8 and 0.0 <= summary["eval_top1"] <= 1.0
     # A config that disagrees with what was converted stops on one line naming key, value and manifest.
     wrong = subprocess.run(

@@ -17,12 +17,13 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from conftest import REPO, load_config, quiet_env, read_jsonl, run_cli, without_tf_import_notices
-from tfscale.errors import ConfigError
-from tfscale.validation import validate
+
+from tfscale.config.validation import validate
 from tfscale.data.convert import dali_index
 from tfscale.data.input import loaders, pipeline, preprocess, shard_dir
+from tfscale.errors import ConfigError
+from tfscale.workdir import layout
 
 dali = pytest.importorskip("tfscale.data.input.dali", reason="NVIDIA DALI is not installed: `make dali` (make test runs it)")
 
@@ -266,7 +267,7 @@ def test_missing_dali_stops_the_run_naming_make_dali(photo_shards, tmp_path):
     assert result.returncode == 1
     assert "config.data.loader='dali' but nvidia.dali is not installed" in result.stderr
     assert "`make dali`" in result.stderr
-    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+    assert not os.path.exists(tmp_path / "run" / layout.CHECKPOINTS)
 
 
 # --- training ---------------------------------------------------------------------------------------------------
@@ -284,7 +285,7 @@ def train_digits(workdir, shards, counts, loader, backend="mwms") -> dict:
          "--config.checkpoint.every_epochs=10", "--config.train.log_every_steps=100"],
         cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, without_tf_import_notices(result.stdout[-3000:] + result.stderr[-3000:])
-    return json.load(open(os.path.join(workdir, "summary.json")))
+    return json.load(open(os.path.join(workdir, layout.SUMMARY)))
 
 
 @pytest.mark.slow
@@ -295,7 +296,7 @@ def test_two_worker_training_with_dali_converges_like_tfdata(digit_shards, tmp_p
         summaries["dali_horovod"] = train_digits(tmp_path / "dali_horovod", shards, counts, "dali", "horovod")
     print({run: (s["eval_top1"], s["images_per_sec"]) for run, s in summaries.items()})
     for loader in summaries:
-        evals = [row for row in read_jsonl(tmp_path / loader / "metrics.jsonl") if "eval_top1" in row]
+        evals = [row for row in read_jsonl(tmp_path / loader / layout.METRICS) if "eval_top1" in row]
         assert [row["eval_examples"] for row in evals] == [counts["validation"]]  # every held-out scan once
         assert summaries[loader]["num_workers"] == 2
     assert summaries["dali"]["steps"] == summaries["tfdata"]["steps"]

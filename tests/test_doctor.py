@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from tfscale import doctor
+from tfscale.perf import doctor
 
 
 def run_doctor(*args, **env):
@@ -92,7 +92,7 @@ def test_the_bandwidth_measurement_runs_on_two_cpu_devices():
         "import tensorflow as tf\n"
         "cpu = tf.config.list_physical_devices('CPU')[0]\n"
         "tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)\n"
-        "from tfscale import doctor\n"
+        "from tfscale.perf import doctor\n"
         "s = doctor.allreduce_seconds(['/cpu:0', '/cpu:1'], 1 << 20, 3, tf.distribute.ReductionToOneDevice())\n"
         "print(s)\n"
     )

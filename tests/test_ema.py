@@ -12,7 +12,10 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, checkpoint_values, load_config, read_jsonl
 
-from tfscale import checkpoints, ema, engine, export, init_from, optim, train, workdir_layout
+from tfscale import export
+from tfscale.model import ema, optim
+from tfscale.training import checkpoints, engine, init_from, train
+from tfscale.workdir import layout
 
 DECAY = 0.9  # small enough that the average over 20 steps is far from the last weights
 TINY = (  # 20 steps of the smoke recipe, one step per loop so callbacks see the weights of every step
@@ -150,7 +153,7 @@ def test_ema_changes_nothing_in_training(runs):
             np.testing.assert_array_equal(x, y)
 
     def train_rows(workdir):
-        rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+        rows = read_jsonl(os.path.join(workdir, layout.METRICS))
         return [(r["step"], r["loss"], r["lr"]) for r in rows if "loss" in r]
 
     assert train_rows(ema_dir) == train_rows(raw_dir)
@@ -158,13 +161,13 @@ def test_ema_changes_nothing_in_training(runs):
 
 def test_eval_reports_raw_and_ema_metrics(runs):
     (ema_dir, ema_summary, _), (raw_dir, raw_summary, _) = runs["ema"], runs["raw"]
-    eval_rows = [r for r in read_jsonl(os.path.join(ema_dir, "metrics.jsonl")) if "eval_top1" in r]
+    eval_rows = [r for r in read_jsonl(os.path.join(ema_dir, layout.METRICS)) if "eval_top1" in r]
     assert [r["step"] for r in eval_rows] == [10, 20]
     for row in eval_rows:
         assert {"eval_top1_ema", "eval_top5_ema", "eval_loss_ema"} <= set(row)
         assert 0.0 <= row["eval_top1_ema"] <= row["eval_top5_ema"] <= 1.0
     # Raw figures are those of the run without EMA (same weights); the EMA's differ.
-    raw_rows = [r for r in read_jsonl(os.path.join(raw_dir, "metrics.jsonl")) if "eval_top1" in r]
+    raw_rows = [r for r in read_jsonl(os.path.join(raw_dir, layout.METRICS)) if "eval_top1" in r]
     for row, raw_row in zip(eval_rows, raw_rows):
         assert set(raw_row) == {"step", "epoch", "eval_top1", "eval_top5", "eval_loss", "eval_examples", "time"}
         assert row["eval_loss"] == raw_row["eval_loss"] and row["eval_top1"] == raw_row["eval_top1"]
@@ -178,7 +181,7 @@ def test_eval_reports_raw_and_ema_metrics(runs):
 
 def newest_checkpoint(workdir: str) -> str:
     """The prefix of the run's newest checkpoint (the model and its optimizer, EMA included, restore from it)."""
-    return checkpoints.listed_checkpoints(workdir_layout.checkpoints(workdir))[0]
+    return checkpoints.listed_checkpoints(layout.checkpoints(workdir))[0]
 
 
 def test_eval_of_the_checkpoint_with_ema_swapped_in_matches_the_summary(runs):
@@ -258,7 +261,8 @@ MIRRORED_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, "tests")
     import keras, numpy as np
     from conftest import load_config
-    from tfscale import ema, train
+    from tfscale.model import ema
+    from tfscale.training import train
 
     class Record(keras.callbacks.Callback):
         def __init__(self):

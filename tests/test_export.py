@@ -14,7 +14,9 @@ import tensorflow as tf
 from conftest import REPO, load_config, run_cli
 from PIL import Image
 
-from tfscale import engine, export, train
+from tfscale import export
+from tfscale.training import engine, train
+from tfscale.workdir import layout
 
 DIGIT_CLASSES = [f"digit_{d}" for d in range(10)]
 IMAGE_SIZE_PX = 16  # the 8x8 scans upscaled: 4x cheaper than 32x32 and still ~95% top-1 after 88 steps
@@ -131,7 +133,7 @@ def train_digits(workdir: str, counts: dict, *data_flags: str) -> float:
     )
     exited_at = time.time()
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
-    return exited_at - os.path.getmtime(os.path.join(workdir, "summary.json"))
+    return exited_at - os.path.getmtime(os.path.join(workdir, layout.SUMMARY))
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +153,7 @@ def digits_export(tmp_path_factory):
         cwd=str(root), env=quiet_env(), capture_output=True, text=True, timeout=300,
     )
     assert served.returncode == 0, served.stderr[-3000:]
-    with open(os.path.join(workdir, "summary.json")) as f:
+    with open(os.path.join(workdir, layout.SUMMARY)) as f:
         summary = json.load(f)
     with open(os.path.join(workdir, "export", "export.json")) as f:
         info = json.load(f)
@@ -225,7 +227,7 @@ def test_export_json_and_labels(digits_export):
     info, summary, workdir = digits_export["info"], digits_export["summary"], digits_export["workdir"]
     export_dir = os.path.join(workdir, "export")
     assert info["step"] == summary["steps"] == 88
-    assert info["checkpoint"] == os.path.join(workdir, "checkpoints", "ckpt-88")
+    assert info["checkpoint"] == os.path.join(workdir, layout.CHECKPOINTS, "ckpt-88")
     assert info["eval_metrics"] == {"eval_top1": summary["eval_top1"], "eval_top5": summary["eval_top5"],
                                     "eval_loss": summary["eval_loss"], "step": 88}
     assert info["class_names"] == DIGIT_CLASSES and info["num_classes"] == 10
@@ -304,8 +306,8 @@ def test_channels_first_run_exports_a_model_that_serves_on_cpu(tmp_path):
     for weight in model.weights:  # distinct values everywhere, so a misplaced weight cannot go unnoticed
         weight.assign(rng.uniform(0.5, 1.5, size=weight.shape).astype("float32"))
     step = tf.Variable(7, dtype=tf.int64)
-    tf.train.Checkpoint(model=model, global_step=step).save(str(tmp_path / "checkpoints" / "ckpt"))
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    tf.train.Checkpoint(model=model, global_step=step).save(str(tmp_path / layout.CHECKPOINTS / "ckpt"))
+    (tmp_path / layout.CONFIG).write_text(json.dumps(cfg.to_dict()))
 
     info = export.export(str(tmp_path))
     assert info["step"] == 7
@@ -326,7 +328,7 @@ def test_bad_workdirs_fail_naming_the_path(tmp_path):
         export.export(missing)
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}/config.json does not exist"):
         export.export(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps(load_config("smoke").to_dict()))
+    (tmp_path / layout.CONFIG).write_text(json.dumps(load_config("smoke").to_dict()))
     with pytest.raises(FileNotFoundError, match=f"no checkpoint in {tmp_path}/checkpoints"):
         export.export(str(tmp_path))
 

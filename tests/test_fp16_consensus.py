@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import REPO, quiet_env
 
-from tfscale import launch
+from tfscale.launch import launch
 
 NUM_FEATURES = 4
 NUM_CLASSES = 3
@@ -74,7 +74,7 @@ def _build(cfg, cluster):
     """The model and its optimizer (loss-scaled under float16), initialised alike on every call (seed 0)."""
     import keras
 
-    from tfscale import engine
+    from tfscale.training import engine
 
     keras.utils.set_random_seed(0)
     with cluster.strategy.scope():
@@ -104,7 +104,7 @@ class _Trainer:
     def __init__(self, cfg, cluster):
         import tensorflow as tf
 
-        from tfscale import engine
+        from tfscale.training import engine
 
         self.cluster = cluster
         self.model, self.optimizer = _build(cfg, cluster)
@@ -141,7 +141,7 @@ def _without_agreement(cluster):
     """`cluster` with the pre-fix behaviour: each replica's gradients go to Keras as they are."""
     import dataclasses
 
-    from tfscale.collectives import StrategyCollectives
+    from tfscale.cluster.collectives import StrategyCollectives
 
     class LocalFiniteCheck(StrategyCollectives):
         def agree_on_finite(self, grads):
@@ -152,7 +152,8 @@ def _without_agreement(cluster):
 
 def run_mirrored() -> dict:
     """Two CPU replicas: poisoned step then clean step, the same without agreement, and a clean reference."""
-    from tfscale import distribute, engine
+    from tfscale.cluster import distribute
+    from tfscale.training import engine
 
     cfg = _config("mirrored")
     cluster = distribute.setup(cfg.distribute)
@@ -168,7 +169,8 @@ def run_mirrored() -> dict:
 
 def run_mwms() -> dict:
     """One replica per worker: clean, poisoned (worker 1's gradients only), clean, clean."""
-    from tfscale import distribute, engine
+    from tfscale.cluster import distribute
+    from tfscale.training import engine
 
     cfg = _config("mwms")
     cluster = distribute.setup(cfg.distribute)
@@ -268,7 +270,7 @@ def test_mwms_workers_skip_together_when_one_overflows(tmp_path):
 def test_agreement_keeps_finite_gradients_bit_identical_and_poisons_all_otherwise():
     import tensorflow as tf
 
-    from tfscale.collectives import StrategyCollectives
+    from tfscale.cluster.collectives import StrategyCollectives
 
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     collectives = StrategyCollectives(strategy)
@@ -293,8 +295,9 @@ def test_only_loss_scaled_steps_agree_on_finite(precision, agreements):
     """float32 steps take no extra collective; a float16 step agrees once and updates as before."""
     import dataclasses
 
-    from tfscale import distribute, engine
-    from tfscale.collectives import StrategyCollectives
+    from tfscale.cluster import distribute
+    from tfscale.cluster.collectives import StrategyCollectives
+    from tfscale.training import engine
 
     traced = []
 

@@ -14,10 +14,10 @@ import sys
 import pytest
 from conftest import REPO, load_config, run_cli
 
-from tfscale import validation
 from tfscale import config as tfs_config
-from tfscale import devices
-from tfscale.config import ConfigError
+from tfscale.cluster import devices
+from tfscale.config import ConfigError, validation
+from tfscale.workdir import layout
 
 FAKE_GPUS = os.path.join(REPO, "tests", "helpers", "fake_gpus.py")
 
@@ -51,7 +51,7 @@ def test_every_backend_turns_memory_growth_on_before_its_strategy(backend):
 
 
 def test_a_multi_worker_mwms_worker_keeps_the_gpu_of_its_local_rank(tmp_path):
-    from tfscale import launch
+    from tfscale.launch import launch
 
     port = launch.free_ports(1)[0]
     tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}})
@@ -155,7 +155,7 @@ def test_sync_bn_inside_an_xla_step_on_cpu_replicas_is_refused_before_anything_i
     assert result.stderr.strip().splitlines()[-1].startswith(
         "FATAL config error: config.model.sync_bn=True with config.jit_compile=True on replicas "
         "/job:localhost/replica:0/task:0/device:CPU:0, /job:localhost/replica:0/task:0/device:CPU:1")
-    assert not os.path.exists(tmp_path / "run" / "config.json")
+    assert not os.path.exists(tmp_path / "run" / layout.CONFIG)
 
 
 # --- float16 on Horovod's wire ------------------------------------------------------------------------------

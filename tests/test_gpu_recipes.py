@@ -13,6 +13,7 @@ import pytest
 from conftest import load_config, read_jsonl, run_cli
 
 from tfscale import config as tfs_config
+from tfscale.workdir import layout
 
 RECIPES = ("r50_1gpu", "r50_8gpu", "r50_32gpu")
 
@@ -70,10 +71,10 @@ def test_the_amp_variant_trains_through_the_cli(tmp_path):
         "--config.train.log_every_steps=5", "--config.schedule.warmup_epochs=0", "--config.schedule.decay_epochs=(1,)",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(os.path.join(tmp_path, "config.json")) as f:
+    with open(os.path.join(tmp_path, layout.CONFIG)) as f:
         recorded = json.load(f)
     assert (recorded["precision"], recorded["jit_compile"]) == ("mixed_float16", True)
-    losses = [row["loss"] for row in read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) if "loss" in row]
+    losses = [row["loss"] for row in read_jsonl(os.path.join(tmp_path, layout.METRICS)) if "loss" in row]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
-    with open(os.path.join(tmp_path, "summary.json")) as f:
+    with open(os.path.join(tmp_path, layout.SUMMARY)) as f:
         assert json.load(f)["steps"] == 20

@@ -14,12 +14,14 @@ import time
 import numpy as np
 import pytest
 from conftest import REPO
-from test_multiworker import (DRIVER, assert_weights_close, kill_rank1_once_training, logged_steps, quiet_env,
-                              read_log, sigterm_then_resume, start_workers, weights)
+from test_multiworker import (DRIVER, assert_weights_close, kill_rank1_once_training, logged_steps, quiet_env, read_log,
+                              sigterm_then_resume, start_workers, weights)
 
-from tfscale import horovod_start, validation
 from tfscale import config as tfs_config
-from tfscale import collectives, distribute, launch
+from tfscale.cluster import collectives, distribute, horovod_start
+from tfscale.config import validation
+from tfscale.launch import launch
+from tfscale.workdir import layout
 
 pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
 
@@ -60,7 +62,7 @@ def mwms_two_workers(tmp_path_factory):
     assert [p.wait(timeout=300) for p in procs] == [0, 0], read_log(root, 0)[-3000:]
     # Per-replica BatchNorm statistics are averaged every step, so the MWMS workers agree exactly too.
     assert_weights_close(weights(root / "w0.npz"), weights(root / "w1.npz"), rtol=0, atol=0)
-    eval_rows = [r for r in map(json.loads, open(root / "run" / "metrics.jsonl")) if "eval_top1" in r]
+    eval_rows = [r for r in map(json.loads, open(root / "run" / layout.METRICS)) if "eval_top1" in r]
     return weights(root / "w0.npz"), logged_steps(str(root / "run")), eval_rows[-1]
 
 
@@ -83,7 +85,7 @@ def assert_ranks_agree_and_match_mwms(root, mwms_two_workers):
         assert ours["lr"] == pytest.approx(ref["lr"], rel=1e-6)
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3) and ours["grad_norm"] > CLIP_GLOBAL_NORM
     # Eval counts every example once across ranks, with the same (averaged) BatchNorm statistics.
-    eval_rows = [r for r in map(json.loads, open(root / "run" / "metrics.jsonl")) if "eval_top1" in r]
+    eval_rows = [r for r in map(json.loads, open(root / "run" / layout.METRICS)) if "eval_top1" in r]
     assert eval_rows[-1]["eval_examples"] == 500
     assert eval_rows[-1]["eval_loss"] == pytest.approx(mwms_eval["eval_loss"], rel=1e-3)
 
@@ -98,9 +100,9 @@ def test_horovod_ranks_agree_and_match_mwms(tmp_path, mwms_two_workers):
     log = open(root / "launch.log").read()
     assert "backend=horovod replicas=2" in log and "rank=1/2" in log
     # Rank 0 alone writes checkpoints and prints progress.
-    assert os.path.exists(root / "run" / "checkpoints" / "ckpt-10.index")
+    assert os.path.exists(root / "run" / layout.CHECKPOINTS / "ckpt-10.index")
     assert "[rank 1]" not in "".join(line for line in log.splitlines(True) if "step 10/10" in line)
-    summary = json.load(open(root / "run" / "summary.json"))
+    summary = json.load(open(root / "run" / layout.SUMMARY))
     assert summary["num_workers"] == 2 and summary["num_replicas"] == 2
 
 
@@ -114,7 +116,7 @@ def test_horovodrun_launches_training(tmp_path):
     text = open(tmp_path / "horovodrun.log").read()
     assert code == 0, text[-4000:]
     assert "rank=0/2" in text and "rank=1/2" in text
-    assert json.load(open(workdir / "summary.json"))["num_workers"] == 2
+    assert json.load(open(workdir / layout.SUMMARY))["num_workers"] == 2
 
 
 @pytest.mark.slow
@@ -222,10 +224,11 @@ def test_ported_fit_script_averages_like_one_process_with_the_global_batch(tmp_p
 
 
 def test_learning_rate_warmup_matches_horovods_callback():
-    import keras
     from types import SimpleNamespace
 
-    from tfscale import callbacks
+    import keras
+
+    from tfscale.training import callbacks
 
     seen = []
 

@@ -23,7 +23,8 @@ from conftest import REPO
 from test_horovod import SHORT, assert_ranks_agree_and_match_mwms, mwms_two_workers  # noqa: F401  (a fixture)
 from test_multiworker import DRIVER, logged_steps, quiet_env
 
-from tfscale import horovod_start
+from tfscale.cluster import horovod_start
+from tfscale.workdir import layout
 
 hvd = pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
 
@@ -88,7 +89,7 @@ def test_mpirun_ranks_agree_and_match_mwms(tmp_path, mwms_two_workers):  # noqa:
     assert "at the rendezvous" not in log  # no Gloo rendezvous under mpirun
     # MPI's all-reduce, Gloo's (tests/test_horovod.py) and MWMS's agree up to float summation order.
     assert_ranks_agree_and_match_mwms(tmp_path, mwms_two_workers)
-    assert json.load(open(tmp_path / "run" / "summary.json"))["num_workers"] == 2
+    assert json.load(open(tmp_path / "run" / layout.SUMMARY))["num_workers"] == 2
 
 
 @needs_mpi
@@ -141,12 +142,12 @@ def test_sigterm_to_the_ranks_checkpoints_both_then_mpirun_reruns_to_the_end(tmp
     saved = [int(line.split("checkpoint saved at step ")[1].split(";")[0]) for line in log.splitlines()
              if "checkpoint saved at step" in line]
     assert len(saved) == 2 and saved[0] == saved[1], f"both ranks must stop at the same step: {saved}"
-    assert 20 <= saved[0] < 200 and os.path.exists(os.path.join(workdir, "checkpoints", f"ckpt-{saved[0]}.index"))
+    assert 20 <= saved[0] < 200 and os.path.exists(os.path.join(workdir, layout.CHECKPOINTS, f"ckpt-{saved[0]}.index"))
 
     second = subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-3000:]
-    assert f"resumed from {os.path.join(workdir, 'checkpoints', f'ckpt-{saved[0]}')}" in second.stdout
+    assert f"resumed from {os.path.join(workdir, layout.CHECKPOINTS, f'ckpt-{saved[0]}')}" in second.stdout
     steps = [r["step"] for r in logged_steps(workdir)]
     assert steps == sorted(set(steps)) and steps[-1] == 200
 

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from conftest import load_config
 
-from tfscale import validation
 from tfscale import config as tfs_config
-from tfscale import engine, export, init_from, train
+from tfscale import export
+from tfscale.config import validation
+from tfscale.training import engine, init_from, train
+from tfscale.workdir import layout
 
 SOURCE_CLASSES = 10
 TARGET_CLASSES = 5
@@ -48,7 +50,7 @@ class RecordWeights(keras.callbacks.Callback):
 
 
 def losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    with open(os.path.join(workdir, layout.METRICS)) as f:
         return [row["loss"] for row in map(json.loads, f) if "loss" in row]
 
 
@@ -126,7 +128,7 @@ def test_head_mismatch_without_skip_head_names_the_variable_and_both_shapes(sour
     mismatch = r"variable logits/kernel has shape \(64, 10\) there but \(64, 5\) in the model"
     with pytest.raises(ValueError, match=mismatch):
         train.train_and_evaluate(cfg, str(tmp_path))
-    assert not os.path.exists(tmp_path / "checkpoints" / "checkpoint")  # failed before any training
+    assert not os.path.exists(tmp_path / layout.CHECKPOINTS / "checkpoint")  # failed before any training
 
 
 def fresh_model(num_classes):
@@ -186,11 +188,11 @@ def test_weights_h5_source(source, tmp_path):
 
 def test_checkpoint_prefix_source(source, tmp_path):
     """A checkpoint inside a workdir: its own weights, not the latest ones."""
-    prefixes = sorted(p[:-len(".index")] for p in os.listdir(os.path.join(source[0], "checkpoints"))
+    prefixes = sorted(p[:-len(".index")] for p in os.listdir(os.path.join(source[0], layout.CHECKPOINTS))
                       if p.endswith(".index"))
     assert prefixes == ["ckpt-20"]
     model = fresh_model(TARGET_CLASSES)
-    init_from.apply(finetune_config(os.path.join(source[0], "checkpoints", "ckpt-20")), model, engine.build_model)
+    init_from.apply(finetune_config(os.path.join(source[0], layout.CHECKPOINTS, "ckpt-20")), model, engine.build_model)
     assert_loaded_backbone(model, source[1], head_loaded=False)
 
 
@@ -203,7 +205,7 @@ def test_other_architecture_fails_naming_a_variable(source):
 
 
 def test_workdir_without_checkpoint_fails_naming_it(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(load_config("smoke").to_dict()))
+    (tmp_path / layout.CONFIG).write_text(json.dumps(load_config("smoke").to_dict()))
     cfg = finetune_config(str(tmp_path))
     with pytest.raises(ValueError, match=f"no checkpoint in {tmp_path}/checkpoints"):
         init_from.apply(cfg, fresh_model(TARGET_CLASSES), engine.build_model)
@@ -220,7 +222,7 @@ def test_export_and_init_from_read_the_newest_checkpoint_that_reads_back_whole(t
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(load_config("smoke", "--config.train.epochs=1", "--config.checkpoint.every_epochs=0.5",
                                          *SHORT), workdir)
-    newest = os.path.join(workdir, "checkpoints", "ckpt-20.data-00000-of-00001")
+    newest = os.path.join(workdir, layout.CHECKPOINTS, "ckpt-20.data-00000-of-00001")
     with open(newest, "r+b") as f:
         f.truncate(os.path.getsize(newest) // 2)
     restored = init_from.restore_run(workdir, engine.build_model)

@@ -15,9 +15,9 @@ import tensorflow as tf
 from PIL import Image
 from scipy import stats
 
-from tfscale import baselines
 from tfscale.data.convert import convert
 from tfscale.data.input import preprocess, shard_dir
+from tfscale.perf import baselines
 
 HEIGHT, WIDTH = 358, 508  # a typical ImageNet photo
 SIZE = 64

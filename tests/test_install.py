@@ -12,6 +12,8 @@ import sys
 import pytest
 from conftest import REPO
 
+from tfscale.workdir import layout
+
 
 def _run(argv, cwd, timeout_s=900):
     result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
@@ -36,7 +38,7 @@ def test_pip_install_into_a_fresh_venv_then_train_from_elsewhere(tmp_path):
 
     _run([str(venv / "bin" / "tfscale-train"), "--config=smoke", "--workdir=run", "--config.train.epochs=1",
           "--config.train.eval_every_epochs=1"], cwd=elsewhere)
-    with open(elsewhere / "run" / "summary.json") as f:
+    with open(elsewhere / "run" / layout.SUMMARY) as f:
         summary = json.load(f)
     assert summary["steps"] == 20 and summary["eval_top1"] > 0
     _run([str(venv / "bin" / "tfscale-export"), "--workdir=run"], cwd=elsewhere)

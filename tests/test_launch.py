@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tfscale import launch
+from tfscale.launch import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,7 +78,7 @@ WORKER = textwrap.dedent(
         time.sleep(60)
     elif mode == "orphan":  # rank 0: any program; rank 1: a tfscale program stuck where SIGTERM cannot stop it
         if rank == 1:
-            from tfscale import launcher_death
+            from tfscale.launch import launcher_death
 
             assert launcher_death.follow_launcher()
             signal.signal(signal.SIGTERM, lambda *_: write("term.1", ""))
@@ -383,7 +383,7 @@ def test_cli_exit_code_and_usage_error_as_a_process():
 
 
 def test_launcher_does_not_import_tensorflow():
-    code = "import sys, tfscale.launch; sys.exit('tensorflow' in sys.modules)"
+    code = "import sys, tfscale.launch.launch; sys.exit('tensorflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
 
 
@@ -405,7 +405,7 @@ def test_horovod_missing_gives_clear_error(monkeypatch, tmp_path, capsys):
 
 def test_horovod_missing_cli():
     # A fresh interpreter in which `import horovod` fails, whether or not it is installed here.
-    code = ("import sys; sys.modules['horovod'] = None; from tfscale import launch; "
+    code = ("import sys; sys.modules['horovod'] = None; from tfscale.launch import launch; "
             "sys.exit(launch.main(['--num_workers=2', '--backend=horovod', '--', '-c', 'pass']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1

@@ -1,4 +1,4 @@
-"""Local SGD, post-local SGD and households (tfscale.local_sgd) on MWMS and Horovod with real processes.
+"""Local SGD, post-local SGD and households (tfscale.training.local_sgd) on MWMS and Horovod with real processes.
 
 What a user relies on: with L_W = 1 (slots averaged) local SGD computes what synchronous training
 computes; with L_W > 1 workers drift apart between world syncs and agree bit for bit right after each;
@@ -20,7 +20,9 @@ from test_multiworker import (DRIVER, assert_weights_close, first_errors, logged
                               sigterm_then_resume, start_workers, wait_all, weights)
 
 from tfscale import config as tfs_config
-from tfscale import local_sgd, local_sgd_steps, validation
+from tfscale.config import validation
+from tfscale.training import local_sgd, local_sgd_steps
+from tfscale.workdir import layout
 
 # 16 steps of global batch 32 (16 per worker), one step per loop so that every step's weights are seen.
 SHORT = ["--config=configs/smoke.py", "--config.train.epochs=0.8", "--config.schedule.warmup_epochs=0.25",
@@ -49,7 +51,7 @@ def launch(num_workers, backend, root, *args, timeout_s=600):
     assert result.returncode == 0, first_errors(result.stdout + result.stderr)
     ranks = range(num_workers)
     digests = [{int(k): v for k, v in json.load(open(root / f"w{r}_steps.json")).items()} for r in ranks]
-    summary = json.load(open(root / "run" / "summary.json"))
+    summary = json.load(open(root / "run" / layout.SUMMARY))
     return [weights(root / f"w{r}.npz") for r in ranks], digests, summary, result.stdout + result.stderr
 
 
@@ -287,7 +289,7 @@ def test_sigterm_under_local_sgd_stops_at_a_world_sync_and_resumes_exactly(tmp_p
     assert stopped_at % 8 == 0, f"stopped at step {stopped_at}, not at a world sync"
     assert_weights_close(weights(preempted / "w0.npz"), weights(reference / "w0.npz"), rtol=0, atol=0)
     # The count is checkpointed: the resumed run reports all 25 syncs of 200 steps, not only its own.
-    assert json.load(open(preempted / "run" / "summary.json"))["world_syncs"] == 200 // 8
+    assert json.load(open(preempted / "run" / layout.SUMMARY))["world_syncs"] == 200 // 8
 
 
 # --- accuracy on real data --------------------------------------------------------------------------------------
@@ -304,7 +306,7 @@ def digits_summary(root, shards, counts, *overrides) -> dict:
                "--config.checkpoint.every_epochs=10", "--config.train.log_every_steps=100", *overrides]
     result = subprocess.run(command, cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, first_errors(result.stdout + result.stderr)
-    return json.load(open(os.path.join(root, "summary.json")))
+    return json.load(open(os.path.join(root, layout.SUMMARY)))
 
 
 @pytest.mark.slow

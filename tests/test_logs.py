@@ -14,7 +14,9 @@ import pytest
 from absl import logging
 from conftest import REPO, without_tf_import_notices
 
-from tfscale import callbacks, logs
+from tfscale import logs
+from tfscale.training import callbacks
+from tfscale.workdir import layout
 
 # absl's Python header and the C++ runtime's: severity, date, time, thread/pid, then file:line] message.
 LOG_HEADER = re.compile(r"^(?P<severity>[IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ (?P<message>\S+:\d+\] .*)$")
@@ -149,6 +151,6 @@ def test_two_workers_chief_reports_others_stay_quiet(tmp_path):
     assert [re.search(r"step (\d+)/", line)[1] for line in step_lines] == ["5", "10"], by_rank[0]
     assert all(ETA.search(line) for line in step_lines), step_lines
     assert step_lines[-1].endswith("eta 0:00:00")
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    with open(os.path.join(workdir, layout.METRICS)) as f:
         times = [json.loads(line)["time"] for line in f]
     assert times == sorted(times) and len(times) == 3  # steps 5 and 10, then the eval row

@@ -1,4 +1,4 @@
-"""Tests for tfscale.models: sizes against published counts, trainability, dtypes, initialisation."""
+"""Tests for tfscale.model.models: sizes against published counts, trainability, dtypes, initialisation."""
 
 import os
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfscale import model_stats
 from tfscale import config as tfs_config
-from tfscale import models
+from tfscale.model import models
+from tfscale.model import stats as model_stats
 
 IMAGENET_NAMES = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
 

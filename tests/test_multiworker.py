@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from conftest import REPO, quiet_env
 
-from tfscale import distribute, launch
+from tfscale.cluster import distribute
+from tfscale.launch import launch
+from tfscale.workdir import layout
 
 DRIVER = os.path.join(REPO, "tests", "helpers", "train_and_dump.py")
 # 10 steps of global batch 32 (16 per worker); sync BN makes 2 x 16 compute what 1 x 32 computes.
@@ -67,7 +69,7 @@ def read_log(log_dir, rank):
 
 
 def logged_steps(workdir):
-    path = os.path.join(workdir, "metrics.jsonl")
+    path = os.path.join(workdir, layout.METRICS)
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -128,7 +130,7 @@ def test_two_workers_agree_and_equal_one_worker_with_the_global_batch(tmp_path, 
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-3)
         # The norm of the averaged gradient, clipped at these steps on both runs.
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3) and ours["grad_norm"] > CLIP_GLOBAL_NORM
-    summary = json.load(open(os.path.join(workdir, "summary.json")))
+    summary = json.load(open(os.path.join(workdir, layout.SUMMARY)))
     assert summary["num_workers"] == 2 and summary["num_replicas"] == 2
     # Only the chief wrote: one topology line per worker, progress lines only in rank 0's log.
     assert "rank=1/2" in read_log(tmp_path, 1) and "step 10/10" not in read_log(tmp_path, 1)
@@ -191,15 +193,15 @@ def sigterm_then_resume(command, workdir, log_dir) -> int:
     assert len(saved) == 2 and saved[0] == saved[1], f"both workers must stop at the same step: {saved}"
     stopped_at = saved[0]
     assert 20 <= stopped_at < 200
-    assert os.path.exists(os.path.join(workdir, "checkpoints", f"ckpt-{stopped_at}.index"))
+    assert os.path.exists(os.path.join(workdir, layout.CHECKPOINTS, f"ckpt-{stopped_at}.index"))
 
     second = subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, timeout=300)
     assert second.returncode == 0, first_errors(second.stdout)
-    assert f"resumed from {os.path.join(workdir, 'checkpoints', f'ckpt-{stopped_at}')}" in second.stdout
+    assert f"resumed from {os.path.join(workdir, layout.CHECKPOINTS, f'ckpt-{stopped_at}')}" in second.stdout
     steps = [r["step"] for r in logged_steps(workdir)]
     assert steps == sorted(set(steps)) and steps[-1] == 200  # nothing repeated, finished
-    assert json.load(open(os.path.join(workdir, "summary.json")))["steps"] == 200
+    assert json.load(open(os.path.join(workdir, layout.SUMMARY)))["steps"] == 200
     return stopped_at
 
 
@@ -242,7 +244,7 @@ def test_wrong_peer_address_fails_preflight_naming_it(tmp_path):
     assert result.returncode != 0
     assert time.time() - started < 60
     assert f"no answer from: worker 1 at 127.0.0.1:{port_nobody}" in result.stderr
-    assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))  # nothing trained, nothing written
+    assert not os.path.exists(os.path.join(tmp_path, layout.CHECKPOINTS))  # nothing trained, nothing written
 
 
 # --- the heartbeat timeout: private TensorFlow API, checked ----------------------------------------
@@ -253,7 +255,8 @@ def test_wrong_peer_address_fails_preflight_naming_it(tmp_path):
 COORDINATION_SCRIPT = r"""
 import json, sys
 from tensorflow.python.eager import context
-from tfscale import connect, distribute
+from tfscale.cluster import connect
+from tfscale.cluster import distribute
 from tfscale.config import base_config
 if sys.argv[1] == "hide":
     for name in connect._COORDINATION_CONFIG_MODULES:

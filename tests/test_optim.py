@@ -1,4 +1,4 @@
-"""Tests for tfscale.optim: LARS against an independent NumPy reference, exclusions, L2, factory.
+"""Tests for tfscale.model.optim: LARS against an independent NumPy reference, exclusions, L2, factory.
 
 The distributed check runs MirroredStrategy over 2 logical CPU devices in a subprocess, because
 logical devices must be configured before TensorFlow initialises its devices (which the rest of
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfscale import optim
+from tfscale.model import optim
 
 LR = 2.0  # LARS-sized: big enough that decay and trust ratio move float32 weights visibly
 MOMENTUM = 0.9

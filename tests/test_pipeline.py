@@ -18,15 +18,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from conftest import classic_example, load_config  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from conftest import classic_example, load_config  # noqa: E402
-
-from tfscale import validation  # noqa: E402
+from tfscale.config import validation  # noqa: E402
 from tfscale.config import ConfigError, base_config  # noqa: E402
 from tfscale.data.convert import convert
 from tfscale.data.input import assignment, faults, pipeline, shard_dir
-from tfscale.data.stage import stage  # noqa: E402
+from tfscale.data.stage import prepare, stage  # noqa: E402
 
 SIZE_PX = 32  # every image of the converted trees is SIZE_PX x SIZE_PX
 CLASSES = ("cherry", "apple", "banana")  # written unsorted on purpose: labels follow sorted names
@@ -314,7 +313,7 @@ def test_missing_data_dir_is_named(tmp_path):
         shard_dir.list_shards(missing, "train")
     cfg = data_config(missing)
     with pytest.raises(FileNotFoundError, match=r"data_dir.*nowhere"):
-        shard_dir.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
+        prepare.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
 
 
 def test_no_shards_for_the_split_is_named(data):
@@ -322,7 +321,7 @@ def test_no_shards_for_the_split_is_named(data):
         shard_dir.list_shards(data["six"], "test")
     cfg = data_config(data["six"], eval_split="val")
     with pytest.raises(FileNotFoundError, match=r"val-\*-of-\*"):
-        shard_dir.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
+        prepare.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
     with pytest.raises(FileNotFoundError, match=r"val-\*-of-\*"):
         eval_batches(cfg, global_batch_size=5, num_steps=5)
 
@@ -334,7 +333,7 @@ def test_truncated_shard_with_manifest_is_named(data, tmp_path):
     os.truncate(victim, os.path.getsize(victim) - 100)
     cfg = data_config(copy)
     with pytest.raises(ValueError, match="train-00002-of-00006") as err:
-        shard_dir.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
+        prepare.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
     assert "truncated" in str(err.value)
 
 
@@ -344,7 +343,7 @@ def test_truncated_shard_with_manifest_is_named(data, tmp_path):
 def test_manifest_mismatch_names_key_and_both_values(data, key, value, theirs):
     cfg = data_config(data["six"], **{key: value})
     with pytest.raises(ValueError) as err:
-        shard_dir.prepare_data_dir(cfg, num_train_examples=cfg.num_train_examples,
+        prepare.prepare_data_dir(cfg, num_train_examples=cfg.num_train_examples,
                                    num_eval_examples=cfg.num_eval_examples)
     message = str(err.value)
     split = "validation" if key == "num_eval_examples" else "train"
@@ -355,7 +354,7 @@ def test_manifest_mismatch_names_key_and_both_values(data, key, value, theirs):
 def test_wrong_label_offset_without_manifest_fails_on_read(classic_dir):
     out, _ = classic_dir
     cfg = classic_config(out, label_offset=2)  # labels are 1-based: label 1 becomes -1
-    shard_dir.prepare_data_dir(cfg, num_train_examples=12, num_eval_examples=7)  # no manifest: nothing to check
+    prepare.prepare_data_dir(cfg, num_train_examples=12, num_eval_examples=7)  # no manifest: nothing to check
     train = pipeline.train_input_fn(cfg, seed=0, start_step=0)(context())
     with pytest.raises(tf.errors.InvalidArgumentError, match="label_offset"):
         list(train.take(6).as_numpy_iterator())
@@ -387,7 +386,7 @@ def truncated_classic(classic_dir, tmp_path):
 def test_truncated_shard_without_manifest_is_an_error(truncated_classic):
     """No manifest, so nothing checks sizes up front: reading must still fail, never stop early quietly."""
     cfg = classic_config(truncated_classic)
-    shard_dir.prepare_data_dir(cfg, num_train_examples=12, num_eval_examples=7)  # passes: nothing to compare with
+    prepare.prepare_data_dir(cfg, num_train_examples=12, num_eval_examples=7)  # passes: nothing to compare with
     with pytest.raises(tf.errors.DataLossError, match="truncated record"):
         eval_batches(cfg, global_batch_size=7, num_steps=1)
 
@@ -411,7 +410,7 @@ def test_truncated_shard_is_named_when_found(truncated_classic, classic_dir):
 def test_prepare_data_dir_stages_once(data, tmp_path):
     local = str(tmp_path / "local")
     cfg = data_config(data["six"], stage_dir=local)
-    staged = shard_dir.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
+    staged = prepare.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
     assert staged == local
     expected = sorted(n for n in os.listdir(data["six"]) if "-of-" in n or n.startswith("manifest-"))
     assert len(expected) == 6 + 3 + 2
@@ -425,7 +424,7 @@ def test_prepare_data_dir_stages_once(data, tmp_path):
                 for n in expected}
 
     before = fingerprint()
-    assert shard_dir.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25) == local
+    assert prepare.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25) == local
     assert fingerprint() == before  # nothing copied (a copy is a new file renamed into place)
 
     # and the staged copy is what the input functions read
@@ -441,7 +440,7 @@ def test_truncated_source_is_not_staged(data, tmp_path):
     local = str(tmp_path / "local")
     cfg = data_config(copy, stage_dir=local)
     with pytest.raises(stage.StageError, match="validation-00001-of-00003.*truncated"):
-        shard_dir.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
+        prepare.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25)
     assert not os.path.exists(os.path.join(local, "validation-00001-of-00003"))
     assert not os.path.exists(os.path.join(local, "manifest-validation.json"))
 
@@ -475,7 +474,7 @@ def test_a_nodes_partial_copy_trains_like_the_full_dir(data, eight, tmp_path, sc
     for node in range(2):
         ranks = tuple(range(node * tasks_per_node, (node + 1) * tasks_per_node))
         local = str(tmp_path / f"node{node}")
-        staged = shard_dir.prepare_data_dir(data_config(src, stage_dir=local, **reading), num_train_examples=31,
+        staged = prepare.prepare_data_dir(data_config(src, stage_dir=local, **reading), num_train_examples=31,
                                             num_eval_examples=25, worker_ranks=ranks, num_workers=workers)
         assert staged == local
         want = {f"train-{i:05d}-of-00008" for rank in ranks
@@ -498,14 +497,14 @@ def test_partial_copy_still_checks_what_it_holds(eight, tmp_path):
     src, _ = eight
     local = str(tmp_path / "local")
     cfg = data_config(src, stage_dir=local)
-    shard_dir.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25, worker_ranks=(0,), num_workers=4)
-    assert shard_dir.prepare_data_dir(data_config(local), num_train_examples=31, num_eval_examples=25) == local
+    prepare.prepare_data_dir(cfg, num_train_examples=31, num_eval_examples=25, worker_ranks=(0,), num_workers=4)
+    assert prepare.prepare_data_dir(data_config(local), num_train_examples=31, num_eval_examples=25) == local
     os.remove(os.path.join(local, "validation-00001-of-00003"))  # eval shards are never optional
     with pytest.raises(FileNotFoundError, match="validation-00001-of-00003"):
-        shard_dir.prepare_data_dir(data_config(local), num_train_examples=31, num_eval_examples=25)
+        prepare.prepare_data_dir(data_config(local), num_train_examples=31, num_eval_examples=25)
     os.truncate(os.path.join(local, "train-00004-of-00008"), 100)  # a shard it holds, damaged after staging
     with pytest.raises(ValueError, match="train-00004-of-00008 has 100 bytes"):
-        shard_dir.prepare_data_dir(data_config(local), num_train_examples=31, num_eval_examples=25)
+        prepare.prepare_data_dir(data_config(local), num_train_examples=31, num_eval_examples=25)
 
 
 # --------------------------------------------------------------------------------------------- 7. TFDS
@@ -563,7 +562,7 @@ def tfds_expected(split: str) -> dict[str, int]:
 def test_tfds_train_input(tfds_dir):
     expected = tfds_expected("train")
     cfg = tfds_config(tfds_dir, global_batch_size=4, shuffle_buffer=1)  # no mixing of passes: 3 batches = 1 pass
-    assert shard_dir.prepare_data_dir(cfg, num_train_examples=12, num_eval_examples=21) == tfds_dir
+    assert prepare.prepare_data_dir(cfg, num_train_examples=12, num_eval_examples=21) == tfds_dir
     train = pipeline.train_input_fn(cfg, seed=0, start_step=0)(context())
     seen = []
     for images, labels in train.take(6).as_numpy_iterator():  # two passes

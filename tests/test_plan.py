@@ -10,8 +10,8 @@ import re
 import pytest
 from conftest import REPO, load_config, run_cli
 
-from tfscale import allreduce_bench, plan, plan_model
-from tfscale.plan_model import System, Workload
+from tfscale.perf import allreduce_bench, plan, plan_model
+from tfscale.perf.plan_model import System, Workload
 
 SYSTEM = System(name="test", gpus_per_node=4, gpu_images_per_sec=400.0, intra_node_GBps=12.0,
                 intra_node_latency_us=5.7, inter_node_GBps=3.0, inter_node_latency_us=14.0)
@@ -138,7 +138,7 @@ def test_a_system_file_with_an_unknown_field_is_named(tmp_path):
 
 
 def test_plan_prints_the_table_for_the_32_gpu_recipe_on_the_p100_cluster(tmp_path):
-    result = run_cli("tfscale.plan", "--config=r50_32gpu", "--system=p100_ib_4gpu", f"--output_dir={tmp_path}")
+    result = run_cli("tfscale.perf.plan", "--config=r50_32gpu", "--system=p100_ib_4gpu", f"--output_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("tfscale-plan: resnet50, 128 images per GPU, 102.2 MB of gradients")
@@ -152,7 +152,7 @@ def test_plan_prints_the_table_for_the_32_gpu_recipe_on_the_p100_cluster(tmp_pat
 
 @pytest.mark.slow
 def test_the_comparison_in_docs_scaling_md_is_what_the_command_prints():
-    result = run_cli("tfscale.plan", "--published")
+    result = run_cli("tfscale.perf.plan", "--published")
     assert result.returncode == 0, result.stderr[-3000:]
     doc = open(os.path.join(REPO, "docs", "scaling.md")).read()
     begin, end = "<!-- tfscale-plan --published: begin -->\n", "<!-- tfscale-plan --published: end -->"

@@ -9,12 +9,14 @@ import pytest
 import tensorflow as tf
 from conftest import load_config
 
-from tfscale import distribute, engine, train
+from tfscale.cluster import distribute
 from tfscale.data.input import pipeline
+from tfscale.training import engine, train
+from tfscale.workdir import layout
 
 
 def logged_losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    with open(os.path.join(workdir, layout.METRICS)) as f:
         return [row["loss"] for row in map(json.loads, f) if "loss" in row]
 
 

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from conftest import REPO, checkpoint_values, classic_example, load_config, quiet_env, read_jsonl, small_file_system
 
-from tfscale import schedules, workdir_layout
+from tfscale.model import schedules
+from tfscale.workdir import layout
 
 DRIVER = os.path.join(REPO, "tests", "helpers", "train_and_dump.py")
 # The smoke recipe: 20 steps an epoch of global batch 32, eval every 30 steps, checkpoint every 20.
@@ -45,7 +46,7 @@ def launch(tmp_path, workdir_, num_workers, *args, backend="mwms", faults=(), ti
 
 
 def rows(workdir_, kind="loss"):
-    path = os.path.join(workdir_, "metrics.jsonl")
+    path = os.path.join(workdir_, layout.METRICS)
     return [r for r in read_jsonl(path) if kind in r] if os.path.exists(path) else []
 
 
@@ -54,7 +55,7 @@ def steps_of(workdir_, kind="loss"):
 
 
 def summary(workdir_):
-    with open(os.path.join(workdir_, "summary.json")) as f:
+    with open(os.path.join(workdir_, layout.SUMMARY)) as f:
         return json.load(f)
 
 
@@ -64,7 +65,7 @@ def saved_steps(output):
 
 
 def latest_checkpoint_step(workdir_):
-    path = os.path.join(workdir_, "checkpoints", "checkpoint")
+    path = os.path.join(workdir_, layout.CHECKPOINTS, "checkpoint")
     if not os.path.exists(path):
         return 0
     with open(path) as f:
@@ -72,7 +73,7 @@ def latest_checkpoint_step(workdir_):
 
 
 def data_file(workdir_, step):
-    return os.path.join(workdir_, "checkpoints", f"ckpt-{step}.data-00000-of-00001")
+    return os.path.join(workdir_, layout.CHECKPOINTS, f"ckpt-{step}.data-00000-of-00001")
 
 
 def truncate_to_half(path):
@@ -122,21 +123,21 @@ def test_no_usable_checkpoint_stops_naming_each_and_deletes_nothing(trained_40, 
     run = copy_of(trained_40, tmp_path)
     for step in (20, 40):
         truncate_to_half(data_file(run, step))
-    before = {name: os.path.getsize(run / "checkpoints" / name) for name in os.listdir(run / "checkpoints")}
+    before = {name: os.path.getsize(run / layout.CHECKPOINTS / name) for name in os.listdir(run / layout.CHECKPOINTS)}
     result = launch(tmp_path, run, 2)
     assert result.returncode == 1, result.stdout[-3000:]
     assert (f"no usable checkpoint in {run}/checkpoints: {run}/checkpoints/ckpt-40 (" in result.stdout
             and f"; {run}/checkpoints/ckpt-20 (" in result.stdout and "Nothing was deleted" in result.stdout)
     assert "Traceback" not in result.stdout
-    assert {name: os.path.getsize(run / "checkpoints" / name) for name in os.listdir(run / "checkpoints")} == before
+    assert {name: os.path.getsize(run / layout.CHECKPOINTS / name) for name in os.listdir(run / layout.CHECKPOINTS)} == before
 
 
 def test_files_a_killed_save_leaves_are_ignored(trained_40, tmp_path):
     """What kill -9 during a save leaves (TensorFlow lists a checkpoint only once its files are whole)."""
     run = copy_of(trained_40, tmp_path)
-    os.makedirs(run / "checkpoints" / "ckpt-60_temp")
-    (run / "checkpoints" / "ckpt-60_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"\0" * 1000)
-    (run / "checkpoints" / "ckpt-60.data-00000-of-00001").write_bytes(b"\0" * 1000)  # merged part-way, no index
+    os.makedirs(run / layout.CHECKPOINTS / "ckpt-60_temp")
+    (run / layout.CHECKPOINTS / "ckpt-60_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"\0" * 1000)
+    (run / layout.CHECKPOINTS / "ckpt-60.data-00000-of-00001").write_bytes(b"\0" * 1000)  # merged part-way, no index
     result = launch(tmp_path, run, 2)
     assert result.returncode == 0, result.stdout[-3000:]
     assert f"resumed from {run}/checkpoints/ckpt-40 at step 40" in result.stdout
@@ -150,7 +151,7 @@ def test_chief_killed_in_the_middle_of_a_save_resumes_from_the_checkpoint_before
                "--config.checkpoint.every_epochs=0.5"]
     proc = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: os.path.exists(run / "checkpoints" / "ckpt-20_temp"), proc, "the save of step 20", timeout_s=300)
+        wait_for(lambda: os.path.exists(run / layout.CHECKPOINTS / "ckpt-20_temp"), proc, "the save of step 20", timeout_s=300)
         proc.kill()
     finally:
         proc.kill()
@@ -211,7 +212,7 @@ def test_full_disk_names_the_path_and_keeps_every_earlier_file(small_disk, tmp_p
     code, output = finish(proc, log)
     assert code == 74, output[-3000:]
     assert f"could not write {run}/checkpoints/ckpt-40: " in output and "MiB free of 8.0 MiB" in output
-    assert latest_checkpoint_step(run) == 20 and not [n for n in os.listdir(run / "checkpoints") if "ckpt-40" in n]
+    assert latest_checkpoint_step(run) == 20 and not [n for n in os.listdir(run / layout.CHECKPOINTS) if "ckpt-40" in n]
 
     # 2. Resumed with space for its start, a metrics row finds the disk full: the file keeps whole lines.
     os.remove(filler)
@@ -224,7 +225,7 @@ def test_full_disk_names_the_path_and_keeps_every_earlier_file(small_disk, tmp_p
     # checkpoint's write is the one that fails.
     assert re.search(rf"could not write {run}/(metrics.jsonl|tensorboard|checkpoints/ckpt-40): .*No space left on "
                      r"device.* \(0\.\d MiB free of 8\.0 MiB on that file system\); exit code 74", output)
-    with open(run / "metrics.jsonl") as f:
+    with open(run / layout.METRICS) as f:
         text = f.read()
     assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
 
@@ -241,25 +242,25 @@ def test_full_disk_names_the_path_and_keeps_every_earlier_file(small_disk, tmp_p
 
 def test_changed_recipe_is_refused_on_every_worker_and_safe_changes_are_recorded(trained_40, tmp_path):
     run = copy_of(trained_40, tmp_path)
-    with open(run / "config.json") as f:
+    with open(run / layout.CONFIG) as f:
         config_before = f.read()
     refused = launch(tmp_path, run, 2, "--config.optim.lr_per_256=1.6", "--config.data.global_batch_size=64")
     assert refused.returncode == 1, refused.stdout[-3000:]
     assert ("config.data.global_batch_size: 32 -> 64; config.optim.lr: 0.1 -> 0.4; config.optim.lr_per_256: 0.8 -> 1.6"
             in refused.stdout)
     assert "[rank 1]" in refused.stdout and "the chief (rank 0) refused the workdir (exit code 1)" in refused.stdout
-    assert open(run / "config.json").read() == config_before and latest_checkpoint_step(run) == 40
+    assert open(run / layout.CONFIG).read() == config_before and latest_checkpoint_step(run) == 40
 
     safe = launch(tmp_path, run, 2, "--config.train.epochs=4", "--config.checkpoint.max_to_keep=5")
     assert safe.returncode == 0, safe.stdout[-3000:]
-    [change] = read_jsonl(run / workdir_layout.HISTORY)
+    [change] = read_jsonl(run / layout.HISTORY)
     assert change["changes"] == {"checkpoint.max_to_keep": {"from": 3, "to": 5}, "train.epochs": {"from": 3.0, "to": 4.0}}
     assert summary(run)["steps"] == 80
 
     forced = launch(tmp_path, run, 2, "--config.train.epochs=5", "--config.checkpoint.max_to_keep=5",
                     "--config.optim.weight_decay=0.0", "--config.resume.allow_config_changes=True")
     assert forced.returncode == 0, forced.stdout[-3000:]
-    assert read_jsonl(run / workdir_layout.HISTORY)[-1]["forced"] is True and summary(run)["steps"] == 100
+    assert read_jsonl(run / layout.HISTORY)[-1]["forced"] is True and summary(run)["steps"] == 100
 
 
 # --- 4 + 5. two jobs in one workdir; a killed job's lock and replayed rows --------------------------
@@ -270,15 +271,15 @@ def test_second_job_is_refused_and_a_killed_jobs_lock_and_replayed_rows_are_clea
     long_run = ["--config.train.epochs=500", "--config.checkpoint.every_epochs=2"]  # checkpoints every 40 steps
     first, log = start(tmp_path, run, 2, *long_run)
     wait_for(lambda: latest_checkpoint_step(run) >= 40, first, "the first checkpoint")
-    holder = json.load(open(run / workdir_layout.LOCK))
-    config_before = open(run / "config.json").read()
+    holder = json.load(open(run / layout.LOCK))
+    config_before = open(run / layout.CONFIG).read()
 
     started = time.time()
     second = launch(tmp_path, run, 1, *long_run)
     assert second.returncode == 73, second.stdout[-3000:]
     assert f"in use by pid {holder['pid']} on host {socket.gethostname()}" in second.stdout
     print(f"second job refused after {time.time() - started:.1f} s")
-    assert first.poll() is None and open(run / "config.json").read() == config_before  # the first job unharmed
+    assert first.poll() is None and open(run / layout.CONFIG).read() == config_before  # the first job unharmed
 
     # kill -9 the chief between two checkpoints, with rows logged after the last one
     wait_for(lambda: steps_of(run) and steps_of(run)[-1] % 40 == 10, first, "a row after a checkpoint")
@@ -296,7 +297,7 @@ def test_second_job_is_refused_and_a_killed_jobs_lock_and_replayed_rows_are_clea
     logged = rows(run)
     assert [r["step"] for r in logged] == list(range(10, epochs * 20 + 1, 10))  # each step once
     assert all(a["time"] <= b["time"] for a, b in zip(logged, logged[1:]))  # wall clock on every row
-    assert not os.path.exists(run / workdir_layout.LOCK)  # released at the end
+    assert not os.path.exists(run / layout.LOCK)  # released at the end
 
 
 # --- 9. SIGTERM during a checkpoint save, during eval, twice ----------------------------------------
@@ -371,7 +372,7 @@ def test_launcher_killed_mid_training_takes_its_workers_with_a_checkpoint_and_th
     assert "SIGTERM: saving a checkpoint after this step" in output and "sending SIGKILL" not in output
     stopped_at = saved_steps(output)[-1]
     assert 20 < stopped_at < 60 and saved_steps(output).count(stopped_at) == 2, output[-3000:]
-    assert latest_checkpoint_step(run) == stopped_at and not os.path.exists(run / workdir_layout.LOCK)
+    assert latest_checkpoint_step(run) == stopped_at and not os.path.exists(run / layout.LOCK)
 
     rerun = launch(tmp_path, run, 2)  # the same command
     assert rerun.returncode == 0, rerun.stdout[-3000:]
@@ -564,3 +565,4 @@ def test_worker_killed_in_preflight_restore_or_eval_ends_the_job_in_bounded_time
     assert resumed.keys() == uninterrupted_60.keys()
     for key, value in uninterrupted_60.items():  # the same weights and slots as without the kills
         np.testing.assert_allclose(resumed[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+

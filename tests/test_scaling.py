@@ -10,7 +10,8 @@ import matplotlib.image
 import pytest
 from conftest import REPO
 
-from tfscale import scaling
+from tfscale.perf import scaling
+from tfscale.workdir import layout
 
 # A published ResNet-50 table: 1 GPU, then 8/16/24/32 GPUs (images/sec).
 PUBLISHED = "workers,images_per_sec\n1,249.28\n8,1855.84\n16,3646.30\n24,5439.04\n32,6643.48\n"
@@ -83,7 +84,7 @@ def test_sweep_runs_one_and_two_workers_and_reports(tmp_path):
                       "--num_warmup_batches=2", "--per_worker_batch=8", "--rounds=2", "--",
                       "--config.benchmark.breakdown_batches=2")
     assert result.returncode == 0, result.stderr[-3000:]
-    reports = {(n, r): json.loads((tmp_path / f"mwms_{n}_round{r}" / "benchmark.json").read_text())
+    reports = {(n, r): json.loads((tmp_path / f"mwms_{n}_round{r}" / layout.BENCHMARK).read_text())
                for n in (1, 2) for r in (1, 2)}
     assert [reports[n, 1]["num_workers"] for n in (1, 2)] == [1, 2]
     assert [reports[n, 2]["global_batch_size"] for n in (1, 2)] == [8, 16]  # weak scaling: batch per worker fixed
@@ -96,7 +97,7 @@ def test_sweep_runs_one_and_two_workers_and_reports(tmp_path):
             in result.stdout)
     # The host's ceiling: in each round two independent 1-worker jobs side by side, their mean rate over the round's
     # 1-worker rate, printed beside the efficiency they bound.
-    independent = [[json.loads((tmp_path / f"independent_2x1_round{r}" / f"job{i}" / "benchmark.json").read_text())
+    independent = [[json.loads((tmp_path / f"independent_2x1_round{r}" / f"job{i}" / layout.BENCHMARK).read_text())
                     for i in (0, 1)] for r in (1, 2)]
     assert all(job["num_workers"] == 1 and job["global_batch_size"] == 8 for jobs in independent for job in jobs)
     ceilings = [statistics.mean(job["total_images_per_sec"] for job in jobs) / reports[1, r]["total_images_per_sec"]
@@ -114,5 +115,5 @@ def test_sweep_runs_one_and_two_workers_and_reports(tmp_path):
     [predicted] = json.loads((tmp_path / "prediction.json").read_text())
     assert (predicted["backend"], predicted["workers"]) == ("mwms", 2)
     assert predicted["measured_images_per_sec"] == x2 and 0 < predicted["predicted_efficiency"] <= 1
-    allreduce = json.loads((tmp_path / "mwms_2_allreduce" / "benchmark.json").read_text())
+    allreduce = json.loads((tmp_path / "mwms_2_allreduce" / layout.BENCHMARK).read_text())
     assert allreduce["mode"] == "allreduce" and allreduce["num_replicas"] == 2

@@ -1,4 +1,4 @@
-"""Tests for tfscale.schedules: LR per step for every warmup and decay, against hand-computed numbers.
+"""Tests for tfscale.model.schedules: LR per step for every warmup and decay, against hand-computed numbers.
 
 Every expected value below is worked out by hand in the comment next to it (not produced by the code
 under test). Pure Python: no TensorFlow, runs in well under a second.
@@ -12,8 +12,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tfscale import schedules
-from tfscale.config import base_config
+from tfscale.config import base_config, names, rules
+from tfscale.model import schedules
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -181,9 +181,9 @@ def test_step_granularity_is_goyal_et_al_per_step():
 
 def test_warmup_granularity_errors_name_the_value():
     with pytest.raises(ValueError, match="warmup_granularity='batch' is not one of: auto, step, epoch"):
-        schedules.check(sched_cfg(warmup="gradual", warmup_granularity="batch"), total_epochs=10)
+        rules.check_schedule(sched_cfg(warmup="gradual", warmup_granularity="batch"), total_epochs=10)
     with pytest.raises(ValueError, match="warmup_granularity='epoch' does not apply to warmup='horovod'"):
-        schedules.check(sched_cfg(warmup="horovod", warmup_granularity="epoch"), total_epochs=10)
+        rules.check_schedule(sched_cfg(warmup="horovod", warmup_granularity="epoch"), total_epochs=10)
 
 
 @pytest.mark.parametrize("step, expected", [
@@ -355,7 +355,7 @@ def test_constant_decay():
 # Properties every schedule must have
 # --------------------------------------------------------------------------------------------------
 
-ALL_COMBINATIONS = [(w, d) for w in schedules.WARMUPS for d in schedules.DECAYS]
+ALL_COMBINATIONS = [(w, d) for w in names.WARMUPS for d in names.DECAYS]
 
 
 def _cfg_for(warmup, decay):
@@ -414,11 +414,11 @@ def test_accepts_any_object_with_the_attributes():
 
     lr = schedules.make_schedule(Plain(), base_lr=1.0, steps_per_epoch=4, total_steps=12)
     assert [lr(s) for s in (0, 2, 4, 8)] == [0.0, 0.5, 1.0, approx(0.1)]
-    schedules.check(Plain(), total_epochs=3)
+    rules.check_schedule(Plain(), total_epochs=3)
 
 
 def test_module_does_not_import_tensorflow_or_keras():
-    code = ("import sys, tfscale.schedules; "
+    code = ("import sys, tfscale.model.schedules; "
             "bad = [m for m in ('tensorflow', 'keras') if m in sys.modules]; "
             "sys.exit(f'imported {bad}' if bad else 0)")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -430,16 +430,16 @@ def test_module_does_not_import_tensorflow_or_keras():
 
 
 def test_check_accepts_the_default_recipes():
-    schedules.check(sched_cfg(warmup="gradual", decay="step"), total_epochs=90.0)
+    rules.check_schedule(sched_cfg(warmup="gradual", decay="step"), total_epochs=90.0)
     for warmup, decay in ALL_COMBINATIONS:
-        schedules.check(_cfg_for(warmup, decay), total_epochs=12.0)
+        rules.check_schedule(_cfg_for(warmup, decay), total_epochs=12.0)
 
 
 def test_check_accepts_base_config_schedule():
     from tfscale import config
 
     c = config.base_config()
-    schedules.check(c.schedule, total_epochs=c.train.epochs)
+    rules.check_schedule(c.schedule, total_epochs=c.train.epochs)
 
 
 @pytest.mark.parametrize("overrides, total_epochs, must_mention", [
@@ -457,7 +457,7 @@ def test_check_accepts_base_config_schedule():
 ])
 def test_check_errors_name_the_bad_value(overrides, total_epochs, must_mention):
     with pytest.raises(ValueError) as excinfo:
-        schedules.check(sched_cfg(**overrides), total_epochs=total_epochs)
+        rules.check_schedule(sched_cfg(**overrides), total_epochs=total_epochs)
     for text in must_mention:
         assert text in str(excinfo.value), (text, str(excinfo.value))
 
@@ -470,4 +470,4 @@ def test_check_errors_name_the_bad_value(overrides, total_epochs, must_mention):
     dict(decay="constant", decay_epochs=(80, 30)),     # only the step decay reads the boundaries
 ])
 def test_check_accepts_unused_or_edge_values(overrides):
-    schedules.check(sched_cfg(**overrides), total_epochs=90)
+    rules.check_schedule(sched_cfg(**overrides), total_epochs=90)

@@ -5,10 +5,10 @@ import os
 import pytest
 from conftest import load_config, run_cli
 
-from tfscale import validation
 from tfscale import config as tfs_config
-from tfscale import schedules
+from tfscale.config import validation
 from tfscale.configs import seed000_r50
+from tfscale.model import schedules
 
 
 def lr_at_epoch_starts(method, *overrides, epochs=(0, 1, 2, 3, 4, 5, 6, 9, 10, 29, 30, 59, 60, 79, 80, 89)):

@@ -23,7 +23,8 @@ from tfscale import io as tfio
 from tfscale.config import base_config
 from tfscale.data.convert import convert, dali_index, shards
 from tfscale.data.input import pipeline, shard_dir
-from tfscale.data.stage import stage
+from tfscale.data.stage import prepare, stage
+from tfscale.workdir import layout
 
 SPLITS = ("train", "validation")
 GLOBS = {split: (f"{split}*", f"{split}-*", f"{split}-*-of-*") for split in SPLITS}
@@ -147,7 +148,7 @@ def test_tfscale_reads_it_and_a_nodes_staged_copy_too(converted, tmp_path):
     out, manifests = converted
     num_train, num_eval = manifests["train"]["num_examples"], manifests["validation"]["num_examples"]
     cfg = data_config(out, num_train, num_eval)
-    assert shard_dir.prepare_data_dir(cfg, num_train_examples=num_train, num_eval_examples=num_eval) == out
+    assert prepare.prepare_data_dir(cfg, num_train_examples=num_train, num_eval_examples=num_eval) == out
     ds = pipeline.eval_input_fn(cfg, seed=0, global_batch_size=4, num_steps=-(-num_eval // 4))(
         tf.distribute.InputContext())
     masks = np.concatenate([m for _, _, m in ds.as_numpy_iterator()])
@@ -217,11 +218,11 @@ def test_classic_shards_train_with_label_offset_1(classic, tmp_path):
     assert (num_train, num_eval) == (24, 15)
     result = train_on(out, str(tmp_path / "run"), num_train, num_eval, label_offset=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(tmp_path / "run" / "summary.json") as f:
+    with open(tmp_path / "run" / layout.SUMMARY) as f:
         summary = json.load(f)
     assert summary["steps"] == num_train // 8 and summary["num_workers"] == 1
     assert 0.0 <= summary["eval_top1"] <= 1.0
-    with open(tmp_path / "run" / "metrics.jsonl") as f:
+    with open(tmp_path / "run" / layout.METRICS) as f:
         evals = [row for row in map(json.loads, f) if "eval_top1" in row]
     assert evals and evals[-1]["eval_examples"] == num_eval  # every validation example, once
 
@@ -231,4 +232,4 @@ def test_classic_shards_with_a_wrong_label_offset_fail_clearly(classic, tmp_path
     result = train_on(out, str(tmp_path / "run"), num_train, num_eval, label_offset=0)
     assert result.returncode != 0
     assert f"label >= config.data.num_classes={NUM_CLASSES}; check config.data.label_offset=0" in result.stderr
-    assert not os.path.exists(tmp_path / "run" / "summary.json")
+    assert not os.path.exists(tmp_path / "run" / layout.SUMMARY)

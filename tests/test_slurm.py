@@ -29,7 +29,8 @@ import pytest
 from conftest import REPO
 from PIL import Image
 
-from tfscale import distribute
+from tfscale.cluster import distribute
+from tfscale.workdir import layout
 
 TESTBED = os.path.join(REPO, "tools", "slurm_testbed.sh")
 MAKE_SBATCH = os.path.join(REPO, "tools", "make_sbatch.py")
@@ -143,7 +144,7 @@ def job_log(tmp_path, job_id: int) -> str:
 
 
 def summary(tmp_path, run: str = "run") -> dict:
-    return json.loads((tmp_path / run / "summary.json").read_text())
+    return json.loads((tmp_path / run / layout.SUMMARY).read_text())
 
 
 def default_port_base(job_id: int, step_id: int) -> int:
@@ -152,7 +153,7 @@ def default_port_base(job_id: int, step_id: int) -> int:
 
 
 def logged_steps(tmp_path) -> list[int]:
-    path = tmp_path / "run" / "metrics.jsonl"
+    path = tmp_path / "run" / layout.METRICS
     if not path.exists():
         return []
     return [row["step"] for row in map(json.loads, path.read_text().splitlines()) if "loss" in row]
@@ -281,7 +282,7 @@ UNBOUND_JOB = """#!/bin/bash
 #SBATCH --time=00:05:00
 #SBATCH --output={out}/job-%j.out
 cd {repo}
-srun --cpu-bind={bind} {python} -c 'import os; from tfscale import devices
+srun --cpu-bind={bind} {python} -c 'import os; from tfscale.cluster import devices
 print("task", os.environ["SLURM_PROCID"], "affinity", devices.affinity_cores(), "usable", devices.usable_cores())'
 """
 
@@ -391,12 +392,12 @@ def test_mwms_steps_using_part_of_a_two_node_allocation(slurm, tmp_path):
         assert "rank=0/2" in log and "rank=1/2" in log
         result = summary(tmp_path, f"run-{run}")
         assert result["steps"] == 20 and result["num_workers"] == 2 and result["num_replicas"] == 2
-        config = json.loads((tmp_path / f"run-{run}" / "config.json").read_text())
+        config = json.loads((tmp_path / f"run-{run}" / layout.CONFIG).read_text())
         assert config["distribute"]["backend"] == "mwms"
     assert sorted(node for _, node, _ in steps.values()) == sorted(nodes)
     assert sorted(step_id for step_id, _, _ in steps.values()) == [0, 1]
     # The two trainings overlapped: both had started before the first finished (its summary.json).
-    finished = [os.path.getmtime(tmp_path / f"run-{run}" / "summary.json") for run in "ab"]
+    finished = [os.path.getmtime(tmp_path / f"run-{run}" / layout.SUMMARY) for run in "ab"]
     assert max(started for _, _, started in steps.values()) < min(finished)
 
 
@@ -567,18 +568,18 @@ def test_study_as_a_job_array_runs_every_cell_and_seed_and_skips_finished_runs(s
                                                      ("slow", 1, 0.08)]):
         run = tmp_path / "study" / "runs" / cell / f"seed{seed}"
         assert f"array task {index} trains" in texts[index] and str(run) in texts[index]
-        config = json.loads((run / "config.json").read_text())
+        config = json.loads((run / layout.CONFIG).read_text())
         assert config["seed"] == seed and config["optim"]["lr_per_256"] == lr_per_256
-        assert json.loads((run / "summary.json").read_text())["steps"] == 5
+        assert json.loads((run / layout.SUMMARY).read_text())["steps"] == 5
     # The tasks refreshed the report as they ended: the last one saw all four runs.
     report = json.loads((tmp_path / "study" / "study.json").read_text())
     assert [report["cells"][cell]["runs"] for cell in ("fast", "slow")] == [2, 2]
     # Resubmitted (a lost or cancelled array, or a new seed list): finished runs are not trained again.
-    mtimes = sorted(os.path.getmtime(p) for p in glob.glob(str(tmp_path / "study" / "runs" / "*" / "*" / "summary.json")))
+    mtimes = sorted(os.path.getmtime(p) for p in glob.glob(str(tmp_path / "study" / "runs" / "*" / "*" / layout.SUMMARY)))
     again = slurm.submit(script)
     for text in wait_for_array(slurm, again, 4, str(tmp_path / f"job-{again}_*.out")):
         assert "run finished already" in text and "training step exited" not in text, text[-3000:]
-    assert sorted(os.path.getmtime(p) for p in glob.glob(str(tmp_path / "study" / "runs" / "*" / "*" / "summary.json"))) == mtimes
+    assert sorted(os.path.getmtime(p) for p in glob.glob(str(tmp_path / "study" / "runs" / "*" / "*" / layout.SUMMARY))) == mtimes
 
 
 # ---------------------------------------------------------------------------------------- staging
@@ -641,9 +642,9 @@ def test_staging_step_copies_shards_and_training_reads_the_copy(slurm, tmp_path,
         assert sha256(os.path.join(stage_dir, name)) == sha256(os.path.join(shards, name)), name
     assert re.search(rf"staged {re.escape(shards)} -> {re.escape(stage_dir)}: copied \d+ files", text), text[-3000:]
     # Training read TFRecords (the recipe's own dataset), from the staged copy (not the shared one), all of it.
-    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    config = json.loads((tmp_path / "run" / layout.CONFIG).read_text())
     assert config["data"]["dataset"] == "tfrecord"
     assert config["data"]["data_dir"] == stage_dir
-    eval_rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "eval_top1" in r]
+    eval_rows = [json.loads(r) for r in (tmp_path / "run" / layout.METRICS).read_text().splitlines() if "eval_top1" in r]
     assert eval_rows[-1]["eval_examples"] == 2 * EVAL_PER_CLASS
     assert summary(tmp_path)["steps"] == 4 and summary(tmp_path)["num_workers"] == 2

@@ -22,6 +22,8 @@ from conftest import REPO, small_file_system
 from tfscale import io as tfio
 from tfscale.data.input import assignment
 from tfscale.data.stage import stage, stage_copy
+from tfscale.workdir import layout
+
 SHARD_BYTES = 256 << 10
 
 
@@ -380,7 +382,7 @@ def test_two_workers_on_two_nodes_stage_and_read_only_their_own_train_shards(dig
     stage_dir from another working directory is another disk, as $TMPDIR is on every node of a cluster."""
     from conftest import quiet_env
 
-    from tfscale import launch
+    from tfscale.launch import launch
 
     shards, counts = digit_shards
     ports = launch.free_ports(2)
@@ -407,7 +409,7 @@ def test_two_workers_on_two_nodes_stage_and_read_only_their_own_train_shards(dig
         # run succeeding shows that each worker read only the shards its node staged.
         assert set(shard_files(str(tmp_path / f"node{rank}" / "local"))) == {f"train-{rank:05d}-of-00002"} | eval_shards
     assert "staging 1 of 2 train shards: those workers 0 of 2 read (assignment disjoint)" in outputs[0]
-    with open(tmp_path / "run" / "summary.json") as f:
+    with open(tmp_path / "run" / layout.SUMMARY) as f:
         assert json.load(f)["eval_top1"] > 0
 
 

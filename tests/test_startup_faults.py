@@ -19,7 +19,8 @@ import time
 import pytest
 from conftest import REPO, quiet_env
 
-from tfscale import launch
+from tfscale.launch import launch
+from tfscale.workdir import layout
 
 EXIT_CLUSTER_UNAVAILABLE = 69
 CONNECT_TIMEOUT_S = 5
@@ -83,7 +84,7 @@ def test_worker_that_never_starts_is_named_within_the_connect_timeout(tmp_path, 
     assert_unavailable(code, elapsed_s, stderr, CONNECT_TIMEOUT_S + MARGIN_S,
                        f"the cluster did not come up within distribute.connect_timeout_s={CONNECT_TIMEOUT_S}s",
                        f"no answer from: worker {missing} at {addresses[missing]} (Connection refused)")
-    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained, nothing written
+    assert not (tmp_path / "run" / layout.CHECKPOINTS).exists()  # nothing trained, nothing written
     print(f"worker {started} alone: exit {code} after {elapsed_s:.1f} s")
 
 
@@ -142,7 +143,8 @@ def test_unresolvable_host_fails_at_once_naming_it(tmp_path):
 # (a worker that never got as far as TensorFlow).
 SETUP_SCRIPT = r"""
 import os, sys, time
-from tfscale import connect, distribute
+from tfscale.cluster import connect
+from tfscale.cluster import distribute
 from tfscale.config import base_config
 if os.environ.get("TFSCALE_LOCAL_RANK") == sys.argv[2]:
     time.sleep(600)
@@ -226,4 +228,4 @@ def test_a_data_fault_at_start_up_is_one_fatal_line_with_its_exit_code(digit_sha
     assert result.returncode == exit_code, result.stderr[-3000:]
     assert line.format(shards=shards) in result.stderr
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert not (workdir / "checkpoints").exists()
+    assert not (workdir / layout.CHECKPOINTS).exists()

@@ -13,8 +13,9 @@ import pytest
 from conftest import REPO, load_config, quiet_env
 from scipy import stats
 
-from tfscale import validation
-from tfscale import study as tfs_study
+from tfscale.config import validation
+from tfscale.study import study as tfs_study
+from tfscale.workdir import layout
 
 STUDY_FILE = '''
 def get_study():
@@ -45,7 +46,7 @@ def finished_study(tmp_path_factory):
     study_file = root / "tiny_study.py"
     study_file.write_text(STUDY_FILE)
     workdir = root / "work"
-    first = os.path.join(workdir, "runs", "lr_0.1", "seed0", "summary.json")
+    first = os.path.join(workdir, "runs", "lr_0.1", "seed0", layout.SUMMARY)
     proc = subprocess.Popen(study_command(study_file, workdir), cwd=REPO, env=quiet_env(), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
@@ -69,9 +70,9 @@ def test_a_killed_study_resumes_skipping_finished_runs(finished_study):
     for cell in ("lr_0.1", "lr_0.01"):
         for seed in (0, 1):
             summary = json.load(open(os.path.join(finished_study["workdir"], "runs", cell, f"seed{seed}",
-                                                  "summary.json")))
+                                                  layout.SUMMARY)))
             assert summary["steps"] == 5
-    config = json.load(open(os.path.join(finished_study["workdir"], "runs", "lr_0.01", "seed1", "config.json")))
+    config = json.load(open(os.path.join(finished_study["workdir"], "runs", "lr_0.01", "seed1", layout.CONFIG)))
     assert config["seed"] == 1 and config["optim"]["lr_per_256"] == 0.08
 
 
@@ -263,12 +264,12 @@ def write_fake_run(workdir, cell: str, seed: int, *, finished: bool = True) -> N
     run.mkdir(parents=True, exist_ok=True)
     if (cell, seed) != ("big", 1):
         values = HPARAMS.get((cell, seed), HPARAMS[(cell, 1)])
-        (run / "config.json").write_text(json.dumps({
+        (run / layout.CONFIG).write_text(json.dumps({
             "seed": seed, "data": {"global_batch_size": values["data.global_batch_size"]},
             "optim": {"lr_per_256": values["optim.lr_per_256"]}, "schedule": {"warmup": values["schedule.warmup"]},
             "model": {"sync_bn": values.get("model.sync_bn", False)}}))
     if finished:
-        (run / "summary.json").write_text(json.dumps(fake_summary(cell, seed)))
+        (run / layout.SUMMARY).write_text(json.dumps(fake_summary(cell, seed)))
 
 
 def fake_study(tmp_path):
@@ -358,7 +359,7 @@ def test_refreshing_the_report_rewrites_the_hparams_without_adding_rows(tmp_path
     study = tfs_study.load_study(str(study_file))
     # big seed 2 finishes; base seed 0 is being redone (its summary.json removed): the report follows.
     write_fake_run(workdir, "big", 2)
-    os.remove(workdir / "runs" / "base" / "seed0" / "summary.json")
+    os.remove(workdir / "runs" / "base" / "seed0" / layout.SUMMARY)
     tfs_study.report(study, str(workdir))
     assert session_dirs(workdir) == ["base/seed1", "base/seed2", "big/seed0", "big/seed1", "big/seed2"]
     plugin, _ = read_events(workdir / "hparams")
@@ -417,7 +418,7 @@ def test_every_cell_of_the_pilots_validates_and_keeps_batchnorm_groups_of_32(pat
 
 def lr_scaling_cell(cell: str):
     """(config, steps per epoch, LR at a step) of one cell of the LR-scaling study."""
-    from tfscale import schedules
+    from tfscale.model import schedules
 
     cfg, _ = cell_config(os.path.join(REPO, "studies", "lr_scaling_fmnist.py"), cell)
     steps_per_epoch = cfg.data.num_train_examples // cfg.data.global_batch_size
@@ -463,8 +464,8 @@ HOUSEHOLD_CELLS = [f"households_sh{sh}_lw{lw}" for lw in (4, 8, 16) for sh in (4
 def test_every_households_cell_keeps_the_effective_batch_and_reads_its_household_shards(cell):
     """The thesis's Table 5.1 set-up, scaled: 4 households of 2 workers, effective batch 128 at the unscaled
     LR 0.1, and households reading S_H different shards (S_H = 4: disjoint; S_H = 1: each reads everything)."""
-    from tfscale import local_sgd
     from tfscale.data.input import assignment
+    from tfscale.training import local_sgd
 
     shards, sync_period = (int(part[2:]) for part in cell.split("_")[1:])
     cfg, study = cell_config(os.path.join(REPO, "studies", "assignment_households_fmnist.py"), cell)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from conftest import checkpoint_values, load_config, read_jsonl, run_cli, stop_at_step, without_tf_import_notices
 
-from tfscale import train
+from tfscale.training import train
+from tfscale.workdir import layout
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +24,19 @@ def smoke_run(tmp_path_factory):
 def test_workdir_has_every_public_file(smoke_run):
     workdir, summary = smoke_run
     assert {"config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard"} <= set(os.listdir(workdir))
-    assert os.listdir(os.path.join(workdir, "tensorboard"))
-    with open(os.path.join(workdir, "summary.json")) as f:
+    assert os.listdir(os.path.join(workdir, layout.TENSORBOARD))
+    with open(os.path.join(workdir, layout.SUMMARY)) as f:
         on_disk = json.load(f)
     assert on_disk == summary
     for key in ("steps", "wall_time_s", "images_per_sec", "eval_top1", "eval_top5", "num_workers", "global_batch_size"):
         assert key in on_disk
     assert on_disk["steps"] == 60 and on_disk["global_batch_size"] == 32 and on_disk["num_workers"] == 1
-    with open(os.path.join(workdir, "config.json")) as f:
+    with open(os.path.join(workdir, layout.CONFIG)) as f:
         assert json.load(f)["model"]["name"] == "cifar_resnet8"
 
 
 def test_metrics_rows(smoke_run):
-    rows = read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl"))
+    rows = read_jsonl(os.path.join(smoke_run[0], layout.METRICS))
     train_rows = [r for r in rows if "loss" in r]
     eval_rows = [r for r in rows if "eval_top1" in r]
     assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
@@ -53,7 +54,7 @@ def test_metrics_rows(smoke_run):
 
 
 def test_learnable_task_learns(smoke_run):
-    rows = read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl"))
+    rows = read_jsonl(os.path.join(smoke_run[0], layout.METRICS))
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < 0.75 * losses[0], losses
     # 10 classes: chance is 0.1
@@ -61,7 +62,7 @@ def test_learnable_task_learns(smoke_run):
 
 
 def test_lr_follows_warmup_then_cosine(smoke_run):
-    lrs = {r["step"]: r["lr"] for r in read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl")) if "lr" in r}
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(os.path.join(smoke_run[0], layout.METRICS)) if "lr" in r}
     # lr 0.1 (0.8 per 256 x 32); 10 warmup steps; cosine to 0 over steps 10..60. A row logs the LR
     # of the step just taken, i.e. lr(step - 1).
     assert lrs[10] == pytest.approx(0.1 * 9 / 10)
@@ -80,10 +81,10 @@ def test_interrupted_run_resumes_exactly(smoke_run, tmp_path):
     second = train.train_and_evaluate(load_config("smoke"), workdir)
     assert second["steps"] == 60
 
-    rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rows = read_jsonl(os.path.join(workdir, layout.METRICS))
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == [10, 20, 30, 40, 50, 60]  # nothing repeated, nothing skipped
-    reference = {r["step"]: r for r in read_jsonl(os.path.join(smoke_run[0], "metrics.jsonl")) if "loss" in r}
+    reference = {r["step"]: r for r in read_jsonl(os.path.join(smoke_run[0], layout.METRICS)) if "loss" in r}
     for row in rows:
         if "loss" in row:
             assert row["loss"] == pytest.approx(reference[row["step"]]["loss"], rel=1e-4, abs=1e-5)
@@ -101,7 +102,7 @@ def test_nonfinite_loss_stops_with_step_number(tmp_path):
     with pytest.raises(FloatingPointError, match=r"loss is (nan|inf) at step \d+"):
         train.train_and_evaluate(cfg, str(tmp_path))
     # nothing was written after the loss went bad: no summary claims a finished run
-    assert not os.path.exists(os.path.join(tmp_path, "summary.json"))
+    assert not os.path.exists(os.path.join(tmp_path, layout.SUMMARY))
 
 
 @pytest.mark.slow
@@ -117,14 +118,14 @@ def test_cli_trains_then_resumes_instead_of_restarting(tmp_path):
     assert len(records) == len(set(records)), records  # file:line] message, without time and thread
     step_lines = [line for line in first.stderr.splitlines() if re.search(r"\] step \d+/60 ", line)]
     assert len(step_lines) == 6 and all(re.search(r"  eta \d+:\d\d:\d\d$", line) for line in step_lines), step_lines
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    with open(os.path.join(workdir, layout.METRICS)) as f:
         rows_after_first = f.read()
 
     second = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr and "ckpt-60" in second.stderr
     assert "training already complete at step 60" in second.stderr
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    with open(os.path.join(workdir, layout.METRICS)) as f:
         assert f.read() == rows_after_first  # no step trained twice
 
 

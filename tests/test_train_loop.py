@@ -10,11 +10,14 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, checkpoint_values, frozen_bn_model_and_optimizer, load_config, read_jsonl, stop_at_step
 
-from tfscale import validation
 from tfscale import config as tfs_config
-from tfscale import distribute, engine, launch, local_sgd, train
-from tfscale.collectives import HorovodCollectives
+from tfscale.cluster import distribute
+from tfscale.cluster.collectives import HorovodCollectives
+from tfscale.config import validation
 from tfscale.data.input import pipeline
+from tfscale.launch import launch
+from tfscale.training import controller, engine, local_sgd, train
+from tfscale.workdir import layout
 
 
 class RecordSteps(keras.callbacks.Callback):
@@ -48,7 +51,7 @@ def loop_runs(tmp_path_factory):
 def test_steps_per_loop_10_is_bit_identical_to_1(loop_runs):
     (one, one_summary, _), (ten, ten_summary, _) = loop_runs[1], loop_runs[10]
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "images_per_sec")} for r in rows]  # noqa: E731
-    assert strip(read_jsonl(os.path.join(ten, "metrics.jsonl"))) == strip(read_jsonl(os.path.join(one, "metrics.jsonl")))  # losses, LRs, eval metrics: exactly equal
+    assert strip(read_jsonl(os.path.join(ten, layout.METRICS))) == strip(read_jsonl(os.path.join(one, layout.METRICS)))  # losses, LRs, eval metrics: exactly equal
     ones, tens = checkpoint_values(one), checkpoint_values(ten)
     assert ones.keys() == tens.keys()
     for key in ones:
@@ -68,7 +71,7 @@ def test_learning_rate_changes_every_step_inside_a_loop(loop_runs):
     # Warmup over the first 10 steps (0.5 epochs of 20 steps): lr(s) = 0.1 * s / 10. With loops of 10 steps
     # the host sets nothing between steps 1..9; the updates still used 0.01, 0.02, ... (bit-identity above
     # proves the weights saw them), and the row of step 20 logs lr(19) on the cosine.
-    rows = {r["step"]: r for r in read_jsonl(os.path.join(loop_runs[10][0], "metrics.jsonl")) if "lr" in r}
+    rows = {r["step"]: r for r in read_jsonl(os.path.join(loop_runs[10][0], layout.METRICS)) if "lr" in r}
     assert rows[20]["lr"] == pytest.approx(0.05 * (1 + np.cos(np.pi * 9 / 50)), rel=1e-6)
 
 
@@ -81,7 +84,7 @@ def test_reduce_lr_on_plateau_scales_the_schedule_in_the_compiled_loop_and_a_res
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0, min_delta=100.0)
     train.train_and_evaluate(load_config("smoke", *overrides), str(tmp_path), extra_callbacks=[plateau, stop_at_step(50)])
     train.train_and_evaluate(load_config("smoke", *overrides), str(tmp_path))  # resumes at step 50
-    lr = {r["step"]: r["lr"] for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) if "lr" in r}
+    lr = {r["step"]: r["lr"] for r in read_jsonl(os.path.join(tmp_path, layout.METRICS)) if "lr" in r}
     # 20 steps an epoch, LR 0.1, / 10 from step 45; each row logs the LR of its loop's last step.
     assert lr == pytest.approx({10: 0.1, 20: 0.1, 30: 0.1, 40: 0.1, 50: 0.005, 60: 0.005}, rel=1e-6)
 
@@ -108,7 +111,7 @@ def test_a_loop_ends_where_the_host_must_act():
                                train_steps=run.steps.train_steps)
     ends, step = [], 0
     while step < run.steps.train_steps:
-        step = train._loop_end(run, step, plan)
+        step = controller.next_loop_end(run, step, plan)
         ends.append(step)
     # log rows every 7, checkpoints and epochs every 20, eval every 30, the profiler window 33..35, the end 60
     assert ends == [7, 14, 20, 21, 28, 30, 32, 35, 40, 42, 49, 56, 60]
@@ -191,8 +194,8 @@ def test_the_32_gpu_recipe_runs_on_4_gpus_by_accumulating_8_micro_batches(tmp_pa
 @pytest.mark.slow
 def test_two_workers_accumulating_equal_one_worker_with_the_whole_batch(tmp_path):
     """2 MWMS workers x 2 micro-batches of 8 == 1 worker x one batch of 32 (BatchNorm frozen)."""
-    from test_multiworker import DRIVER, SHORT, read_log, wait_all, weights
     from conftest import quiet_env
+    from test_multiworker import DRIVER, SHORT, read_log, wait_all, weights
 
     def command(output, workdir, *overrides):
         return [sys.executable, DRIVER, str(tmp_path / output), "--freeze_bn", *SHORT, "--config.model.sync_bn=False",
@@ -230,7 +233,7 @@ def test_accumulating_run_resumes_exactly(tmp_path):
     assert train.train_and_evaluate(load_config("smoke", *accumulate), resumed)["steps"] == 60
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "images_per_sec")} for r in rows]  # noqa: E731
     stop_eval = {"step": 25}  # the interrupted run evaluated where it stopped; the whole run did not
-    assert [r for r in strip(read_jsonl(os.path.join(resumed, "metrics.jsonl"))) if not stop_eval.items() <= r.items()] == strip(read_jsonl(os.path.join(whole, "metrics.jsonl")))
+    assert [r for r in strip(read_jsonl(os.path.join(resumed, layout.METRICS))) if not stop_eval.items() <= r.items()] == strip(read_jsonl(os.path.join(whole, layout.METRICS)))
     expected, actual = checkpoint_values(whole), checkpoint_values(resumed)
     for key in expected:
         np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)

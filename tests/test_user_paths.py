@@ -16,10 +16,11 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, load_config, run_cli
 
-from tfscale import validation
 from tfscale import config as tfs_config
+from tfscale.config import validation
 from tfscale.data.convert import convert
 from tfscale.data.input import info, pipeline, shard_dir
+from tfscale.workdir import layout
 
 NUM_CLASSES = 10
 TRAIN_PER_CLASS, EVAL_PER_CLASS = 2, 1
@@ -75,10 +76,10 @@ def test_readme_step_2_trains_on_a_converted_photo_tree(photo_shards, tmp_path):
     assert ("config.schedule.decay_epochs=(0.3333, 0.6667, 0.8889): config.schedule.decay_fractions "
             "(0.3333, 0.6667, 0.8889) of config.train.epochs=1") in log_lines(result.stderr, "validation")
     workdir = tmp_path / "runs" / "r50"
-    summary = json.loads((workdir / "summary.json").read_text())
+    summary = json.loads((workdir / layout.SUMMARY).read_text())
     assert summary["steps"] == 5 and summary["global_batch_size"] == 4
-    assert tf.train.latest_checkpoint(str(workdir / "checkpoints")).endswith("ckpt-5")
-    recorded = json.loads((workdir / "config.json").read_text())
+    assert tf.train.latest_checkpoint(str(workdir / layout.CHECKPOINTS)).endswith("ckpt-5")
+    recorded = json.loads((workdir / layout.CONFIG).read_text())
     assert (recorded["data"]["num_classes"], recorded["data"]["num_train_examples"],
             recorded["data"]["num_eval_examples"]) == (10, 20, 10)
 
@@ -91,7 +92,7 @@ def test_a_count_the_user_states_is_kept_and_checked(photo_shards, tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"FATAL config error: config.data.num_classes=1000 but {photo_shards}/manifest-train.json says 10")
-    assert not os.path.exists(tmp_path / "checkpoints")
+    assert not os.path.exists(tmp_path / layout.CHECKPOINTS)
 
     recipe = load_config("smoke", "--config.data.dataset=tfrecord", f"--config.data.data_dir={photo_shards}")
     info.adopt(recipe.data, info.facts(recipe.data))  # smoke.py says 640 training examples: not a default
@@ -156,7 +157,7 @@ def test_tfds_imagenet_trains_through_the_cli_and_exports_its_class_names(imagen
                for line in adopted), adopted
     assert any(line.startswith(f"config.data.num_eval_examples=10 from {imagenet_tfds['info_file']} ")
                for line in adopted), adopted
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    with open(os.path.join(workdir, layout.METRICS)) as f:
         assert [json.loads(line)["eval_examples"] for line in f if "eval_top1" in line] == [10]
 
     exported = run_cli("tfscale.export", f"--workdir={workdir}")

@@ -14,8 +14,9 @@ import ml_collections
 import pytest
 from conftest import read_jsonl, small_file_system
 
-from tfscale import errors, io, workdir, workdir_layout
+from tfscale import errors, io
 from tfscale.config import ConfigError, base_config
+from tfscale.workdir import guards, layout
 
 
 def resume_cfg(allow=False, stale_after_s=120.0):
@@ -23,7 +24,7 @@ def resume_cfg(allow=False, stale_after_s=120.0):
 
 
 def write_lock(path, **holder):
-    with open(os.path.join(path, workdir_layout.LOCK), "w") as f:
+    with open(os.path.join(path, layout.LOCK), "w") as f:
         json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
                    "slurm_job_id": "", "slurm_restart_count": "0", **holder}, f)
 
@@ -39,20 +40,20 @@ def live_pid():
 
 def test_second_holder_is_refused_naming_host_and_pid(tmp_path, live_pid):
     write_lock(tmp_path, pid=live_pid, slurm_job_id="4242")
-    with pytest.raises(workdir.WorkdirBusy, match=rf"in use by pid {live_pid} on host {socket.gethostname()}, "
+    with pytest.raises(guards.WorkdirBusy, match=rf"in use by pid {live_pid} on host {socket.gethostname()}, "
                                                   r"Slurm job 4242, since \d{4}-"):
-        workdir.acquire(str(tmp_path), stale_after_s=120)
-    assert json.load(open(tmp_path / workdir_layout.LOCK))["pid"] == live_pid  # the holder's lock untouched
+        guards.acquire(str(tmp_path), stale_after_s=120)
+    assert json.load(open(tmp_path / layout.LOCK))["pid"] == live_pid  # the holder's lock untouched
 
 
 def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     write_lock(tmp_path, pid=dead.pid)
-    lock = workdir.acquire(str(tmp_path), stale_after_s=120)
-    assert json.load(open(tmp_path / workdir_layout.LOCK))["pid"] == os.getpid()
+    lock = guards.acquire(str(tmp_path), stale_after_s=120)
+    assert json.load(open(tmp_path / layout.LOCK))["pid"] == os.getpid()
     lock.release()
-    assert not os.path.exists(tmp_path / workdir_layout.LOCK)
+    assert not os.path.exists(tmp_path / layout.LOCK)
 
 
 def test_lock_of_an_exited_process_nobody_reaped_is_taken_over(tmp_path):
@@ -65,32 +66,32 @@ def test_lock_of_an_exited_process_nobody_reaped_is_taken_over(tmp_path):
             time.sleep(0.02)
         os.kill(zombie.pid, 0)  # signal 0 still finds it
         write_lock(tmp_path, pid=zombie.pid)
-        workdir.acquire(str(tmp_path), stale_after_s=120).release()
+        guards.acquire(str(tmp_path), stale_after_s=120).release()
     finally:
         zombie.wait()
 
 
 def test_other_hosts_lock_is_taken_over_only_when_stale(tmp_path):
     write_lock(tmp_path, host="node-that-died", pid=1)
-    with pytest.raises(workdir.WorkdirBusy, match="node-that-died"):
-        workdir.acquire(str(tmp_path), stale_after_s=60)
+    with pytest.raises(guards.WorkdirBusy, match="node-that-died"):
+        guards.acquire(str(tmp_path), stale_after_s=60)
     old = time.time() - 61
-    os.utime(tmp_path / workdir_layout.LOCK, (old, old))
-    workdir.acquire(str(tmp_path), stale_after_s=60).release()
+    os.utime(tmp_path / layout.LOCK, (old, old))
+    guards.acquire(str(tmp_path), stale_after_s=60).release()
 
 
 def test_requeued_slurm_job_takes_over_its_earlier_runs_lock(tmp_path):
     write_lock(tmp_path, host="other-node", pid=1, slurm_job_id="77", slurm_restart_count="0")
     env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}
-    workdir.acquire(str(tmp_path), stale_after_s=600, env=env).release()
+    guards.acquire(str(tmp_path), stale_after_s=600, env=env).release()
     write_lock(tmp_path, host="other-node", pid=1, slurm_job_id="78", slurm_restart_count="0")
-    with pytest.raises(workdir.WorkdirBusy, match="Slurm job 78"):  # another job: still refused
-        workdir.acquire(str(tmp_path), stale_after_s=600, env=env)
+    with pytest.raises(guards.WorkdirBusy, match="Slurm job 78"):  # another job: still refused
+        guards.acquire(str(tmp_path), stale_after_s=600, env=env)
 
 
 def test_live_lock_is_kept_fresh(tmp_path):
-    lock = workdir.acquire(str(tmp_path), stale_after_s=120)
-    path = tmp_path / workdir_layout.LOCK
+    lock = guards.acquire(str(tmp_path), stale_after_s=120)
+    path = tmp_path / layout.LOCK
     os.utime(path, (0, 0))
     lock.keep_fresh(every_s=0.05)
     time.sleep(0.5)
@@ -99,10 +100,10 @@ def test_live_lock_is_kept_fresh(tmp_path):
 
 
 def test_release_leaves_a_lock_that_another_job_took(tmp_path):
-    lock = workdir.acquire(str(tmp_path), stale_after_s=120)
+    lock = guards.acquire(str(tmp_path), stale_after_s=120)
     write_lock(tmp_path, host="elsewhere", pid=5)
     lock.release()
-    assert json.load(open(tmp_path / workdir_layout.LOCK))["host"] == "elsewhere"
+    assert json.load(open(tmp_path / layout.LOCK))["host"] == "elsewhere"
 
 
 def smoke_dict(**changes):
@@ -114,60 +115,60 @@ def smoke_dict(**changes):
 
 
 def resumable(tmp_path, cfg_dict):
-    os.makedirs(tmp_path / "checkpoints")
-    (tmp_path / "checkpoints" / "checkpoint").write_text('model_checkpoint_path: "ckpt-20"\n')
-    io.write_json(str(tmp_path / workdir_layout.CONFIG), cfg_dict)
+    os.makedirs(tmp_path / layout.CHECKPOINTS)
+    (tmp_path / layout.CHECKPOINTS / "checkpoint").write_text('model_checkpoint_path: "ckpt-20"\n')
+    io.write_json(str(tmp_path / layout.CONFIG), cfg_dict)
 
 
 def test_result_changing_keys_are_refused_listing_each(tmp_path):
     resumable(tmp_path, smoke_dict())
     changed = smoke_dict(**{"model.name": "resnet18", "optim.lr_per_256": 0.2, "train.log_every_steps": 7})
     with pytest.raises(ConfigError) as refused:
-        workdir.claim(str(tmp_path), changed, resume_cfg())
+        guards.claim(str(tmp_path), changed, resume_cfg())
     message = str(refused.value)
     assert "config.model.name: 'resnet50' -> 'resnet18'" in message
     assert "config.optim.lr_per_256: 0.1 -> 0.2" in message and "config.optim.lr: 0.1 -> 0.2" in message  # linked
     assert "log_every_steps" not in message  # safe: not listed among the refused
-    assert json.load(open(tmp_path / workdir_layout.CONFIG)) == json.loads(json.dumps(smoke_dict()))  # nothing written
-    assert not os.path.exists(tmp_path / workdir_layout.LOCK) and not os.path.exists(tmp_path / workdir_layout.HISTORY)
+    assert json.load(open(tmp_path / layout.CONFIG)) == json.loads(json.dumps(smoke_dict()))  # nothing written
+    assert not os.path.exists(tmp_path / layout.LOCK) and not os.path.exists(tmp_path / layout.HISTORY)
 
 
 def test_safe_changes_are_recorded_and_forced_ones_marked(tmp_path):
     resumable(tmp_path, smoke_dict())
     safe = smoke_dict(**{"train.epochs": 120.0, "data.stage_dir": "/tmp/local", "checkpoint.max_to_keep": 5})
-    workdir.claim(str(tmp_path), safe, resume_cfg()).release()
+    guards.claim(str(tmp_path), safe, resume_cfg()).release()
     forced = smoke_dict(**{"train.epochs": 120.0, "data.stage_dir": "/tmp/local", "checkpoint.max_to_keep": 5,
                            "seed": 3, "resume.allow_config_changes": True})
-    workdir.claim(str(tmp_path), forced, resume_cfg(allow=True)).release()
-    first, second = read_jsonl(tmp_path / workdir_layout.HISTORY)
+    guards.claim(str(tmp_path), forced, resume_cfg(allow=True)).release()
+    first, second = read_jsonl(tmp_path / layout.HISTORY)
     assert first["changes"] == {"checkpoint.max_to_keep": {"from": 3, "to": 5}, "data.stage_dir": {"from": "", "to": "/tmp/local"},
                                 "train.epochs": {"from": 90.0, "to": 120.0}} and not first["forced"]
     assert second["changes"] == {"seed": {"from": 0, "to": 3}, "resume.allow_config_changes": {"from": False, "to": True}}
     assert second["forced"] and "time" in second
-    assert json.load(open(tmp_path / workdir_layout.CONFIG))["seed"] == 3
+    assert json.load(open(tmp_path / layout.CONFIG))["seed"] == 3
 
 
 def test_fresh_run_may_change_anything(tmp_path):
-    io.write_json(str(tmp_path / workdir_layout.CONFIG), smoke_dict())  # a run that never checkpointed
-    workdir.claim(str(tmp_path), smoke_dict(**{"model.name": "resnet18"}), resume_cfg()).release()
-    assert not os.path.exists(tmp_path / workdir_layout.HISTORY)
+    io.write_json(str(tmp_path / layout.CONFIG), smoke_dict())  # a run that never checkpointed
+    guards.claim(str(tmp_path), smoke_dict(**{"model.name": "resnet18"}), resume_cfg()).release()
+    assert not os.path.exists(tmp_path / layout.HISTORY)
 
 
 def test_unreadable_config_json_of_a_resumable_run_is_named(tmp_path):
     resumable(tmp_path, smoke_dict())
-    (tmp_path / workdir_layout.CONFIG).write_text("{half")
+    (tmp_path / layout.CONFIG).write_text("{half")
     with pytest.raises(ConfigError, match=r"config\.json cannot be read"):
-        workdir.claim(str(tmp_path), smoke_dict(), resume_cfg())
+        guards.claim(str(tmp_path), smoke_dict(), resume_cfg())
 
 
 def test_metrics_are_trimmed_to_the_resume_step_and_a_torn_line_dropped(tmp_path):
-    path = tmp_path / workdir_layout.METRICS
+    path = tmp_path / layout.METRICS
     rows = [{"step": 10, "loss": 2.0}, {"step": 20, "loss": 1.5}, {"step": 20, "eval_top1": 0.3}, {"step": 30, "loss": 1.2}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 40, "lo')
-    kept = workdir.trim_metrics(str(tmp_path), start_step=20)
+    kept = guards.trim_metrics(str(tmp_path), start_step=20)
     assert kept == rows[:3] and read_jsonl(path) == rows[:3]
-    assert workdir.trim_metrics(str(tmp_path), start_step=20) == rows[:3]  # idempotent
-    assert workdir.trim_metrics(str(tmp_path / "nothing-here"), start_step=5) == []
+    assert guards.trim_metrics(str(tmp_path), start_step=20) == rows[:3]  # idempotent
+    assert guards.trim_metrics(str(tmp_path / "nothing-here"), start_step=5) == []
 
 
 @pytest.fixture
@@ -178,7 +179,7 @@ def tiny_disk(tmp_path):
 
 
 def test_append_on_a_full_disk_keeps_whole_lines_and_names_the_path(tiny_disk):
-    path = tiny_disk / "metrics.jsonl"
+    path = tiny_disk / layout.METRICS
     line = json.dumps({"step": 1, "loss": 1.0, "pad": "x" * 900})
     with pytest.raises(errors.WriteError) as full:
         for _ in range(200):  # 180 KiB into 64 KiB
@@ -190,24 +191,24 @@ def test_append_on_a_full_disk_keeps_whole_lines_and_names_the_path(tiny_disk):
 
 
 def test_atomic_write_on_a_full_disk_keeps_the_old_file(tiny_disk):
-    path = str(tiny_disk / "summary.json")
+    path = str(tiny_disk / layout.SUMMARY)
     io.write_json(path, {"steps": 10})
     with pytest.raises(errors.WriteError, match=f"could not write {path}: No space left on device"):
         io.write_json(path, {"pad": "x" * 200_000})
-    assert json.load(open(path)) == {"steps": 10} and os.listdir(tiny_disk) == ["summary.json"]
+    assert json.load(open(path)) == {"steps": 10} and os.listdir(tiny_disk) == [layout.SUMMARY]
 
 
 def test_a_workdir_that_cannot_be_written_is_named(tmp_path):
     (tmp_path / "file").write_text("")  # a file where the workdir should be
     with pytest.raises(errors.WriteError, match=f"could not write {tmp_path}/file/lock.json: "):
-        workdir.claim(str(tmp_path / "file"), smoke_dict(), resume_cfg())
+        guards.claim(str(tmp_path / "file"), smoke_dict(), resume_cfg())
 
 
 def test_a_key_newer_than_the_checkpointed_run_resumes_at_its_default_and_is_refused_otherwise(tmp_path):
     old = smoke_dict()
     del old["optim"]["clip_global_norm"]  # config.json of a run from before the key existed
     resumable(tmp_path, old)
-    workdir.claim(str(tmp_path), smoke_dict(), resume_cfg()).release()  # at its default (0: off) it changes nothing
-    assert not os.path.exists(tmp_path / workdir_layout.HISTORY)
+    guards.claim(str(tmp_path), smoke_dict(), resume_cfg()).release()  # at its default (0: off) it changes nothing
+    assert not os.path.exists(tmp_path / layout.HISTORY)
     with pytest.raises(ConfigError, match=r"config\.optim\.clip_global_norm: 0\.0 -> 1\.0"):
-        workdir.claim(str(tmp_path), smoke_dict(**{"optim.clip_global_norm": 1.0}), resume_cfg())
+        guards.claim(str(tmp_path), smoke_dict(**{"optim.clip_global_norm": 1.0}), resume_cfg())

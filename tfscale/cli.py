@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import ml_collections
 from absl import app, flags, logging
@@ -47,26 +47,61 @@ def make_key_flags(names: Iterable[str]) -> None:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
 
 
-def run_tool(job: Callable[[flags.FlagValues], object], *, define_flags: Callable[[], None],
-             errors: tuple[type[BaseException], ...] = INPUT_ERRORS, argv: list[str] | None = None) -> None:
+def run_tool(job: Callable[..., object], *, define_flags: Callable[[], None],
+             errors: tuple[type[BaseException], ...] = INPUT_ERRORS, argv: list[str] | None = None,
+             takes_arguments: bool = False) -> None:
     """Defines the flags, then runs job(FLAGS) under absl.app; exits 1 with one error line on `errors`.
 
-    Positional arguments are a usage error: every tool here takes flags only. Anything else a job
-    raises (a bug) keeps its traceback.
+    Positional arguments are a usage error, unless `takes_arguments`: then the job is called as
+    job(FLAGS, arguments) and judges them itself. Anything else a job raises (a bug) keeps its traceback;
+    a job may end the process itself (sys.exit) with its own code.
     """
     define_flags()
 
     def main(argv: list[str]) -> int:
-        if len(argv) > 1:
+        if len(argv) > 1 and not takes_arguments:
             raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
         try:
-            job(flags.FLAGS)
+            job(flags.FLAGS, argv[1:]) if takes_arguments else job(flags.FLAGS)
         except errors as e:  # bad input: one clear line, no traceback
             logging.error("%s", e)
             return 1
         return 0
 
     app.run(main, argv=argv)
+
+
+# --- commands that run a command: `LAUNCHER [flags] -- <command ...>` ----------------------------------------
+
+
+class UsageError(ValueError):
+    """A command line that cannot run; the launcher prints its usage with it and exits with EXIT_USAGE."""
+
+
+def split_command(argv: Sequence[str], define_flags: Callable[[flags.FlagValues], None], *,
+                  command_hint: str) -> tuple[flags.FlagValues, list[str]]:
+    """(the launcher's flags, the command after `--`): absl flags as every tfscale tool takes them before
+    `--`, the command after it never parsed here. UsageError naming what is wrong: a flag absl refuses, an
+    argument before `--`, or no command (`command_hint` shows one)."""
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, command = argv[:split], argv[split + 1:]
+    values = flags.FlagValues()
+    define_flags(values)
+    try:
+        extra = values(["launcher", *own])[1:]
+    except flags.Error as err:
+        raise UsageError(str(err)) from None
+    if extra:
+        raise UsageError(f"unexpected arguments before --: {' '.join(extra)}")
+    if not command:
+        raise UsageError(f"nothing to run: put the command after --, e.g. -- {command_hint}")
+    return values, command
+
+
+def usage_text(usage: str, values: flags.FlagValues, module: str) -> str:
+    """`usage: ...` and the help of the flags `module` defined, as --help prints it."""
+    return f"usage: {usage}\n\n{values.module_help(module)}\n"
 
 
 # --- --config / --workdir commands ------------------------------------------------------------------

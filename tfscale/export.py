@@ -5,7 +5,7 @@ r"""Export a trained run for inference: a Keras model, a SavedModel serving enco
 
 Rebuilds the model from `W/config.json`, restores the model weights of the latest checkpoint in
 `W/checkpoints` (or `--checkpoint`) and writes into the output directory (default `W/export`). A run
-trained with `optim.ema_decay` > 0 exports the exponential moving average of its weights (`tfscale.ema`:
+trained with `optim.ema_decay` > 0 exports the exponential moving average of its weights (`tfscale.model.ema`:
 the averaged trainable variables, BatchNorm moving statistics as they are), the weights its
 `eval_*_ema` metrics were measured on; export.json's `weights` says which ("ema" or "raw"):
 
@@ -35,7 +35,8 @@ to it and renamed into place. A single-process tool: run it once, not under tfsc
 
 from __future__ import annotations
 
-from tfscale import logs, workdir_layout
+from tfscale import logs
+from tfscale.workdir import layout
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
@@ -53,9 +54,11 @@ import tensorflow as tf
 from absl import flags, logging
 
 import tfscale
-from tfscale import cli, ema, engine, init_from, models
+from tfscale import cli
 from tfscale.data.input import info as data_info
 from tfscale.data.input import preprocess, shard_dir
+from tfscale.model import ema, models
+from tfscale.training import engine, init_from
 
 SIGNATURE = "serving_default"
 KERAS_FILE = "model.keras"
@@ -202,7 +205,7 @@ def _run_metrics(workdir: str, step: int, weights: str = "raw") -> dict | None:
 
     `weights="ema"`: the metrics of the EMA weights (summary.json's `eval_*_ema`), under the same keys.
     """
-    path = workdir_layout.summary(workdir)
+    path = layout.summary(workdir)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -311,7 +314,7 @@ def _replace_directory(new_dir: str, output_dir: str) -> None:
 def export(workdir: str, output_dir: str | None = None, checkpoint: str | None = None) -> dict:
     """Exports the run in `workdir` into `output_dir` (default `workdir/export`); returns export.json's contents."""
     workdir = os.path.abspath(workdir)
-    output_dir = os.path.abspath(output_dir or workdir_layout.export(workdir))
+    output_dir = os.path.abspath(output_dir or layout.export(workdir))
     _check_replaceable(output_dir, workdir)
     data_cfg = init_from.read_run_config(workdir).data
     if data_cfg.dataset == "tfrecord":  # labels.txt would name the train split's classes: eval must agree

@@ -20,12 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import tensorflow as tf  # noqa: E402
 
-from tfscale import validation
-from tfscale import baselines, engine  # noqa: E402
 from tfscale import config as tfs_config  # noqa: E402
+from tfscale.config import validation
 from tfscale.data.input import pipeline  # noqa: E402
+from tfscale.perf import baselines  # noqa: E402
+from tfscale.training import engine
 
-_MODEL = flags.DEFINE_string("model", "cifar_resnet8", "Model to train (a key of tfscale.models.MODELS).")
+_MODEL = flags.DEFINE_string("model", "cifar_resnet8", "Model to train (a key of tfscale.model.models.MODELS).")
 _BATCH = flags.DEFINE_integer("batch", 32, "Global batch size.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Timed steps per candidate and round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds, each running every candidate back to back; ratios are paired within rounds.")

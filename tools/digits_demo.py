@@ -22,6 +22,7 @@ from absl import app, flags, logging
 from PIL import Image
 
 from tfscale import cli
+from tfscale.workdir import layout
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where images, shards and the training run go.")
 _NUM_WORKERS = flags.DEFINE_integer("num_workers", 2, "Local worker processes (1: single process).")
@@ -68,7 +69,7 @@ def main(argv):
         *argv[1:],
     ]
     subprocess.run(command, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(train_dir, "summary.json")) as f:
+    with open(os.path.join(train_dir, layout.SUMMARY)) as f:
         summary = json.load(f)
     print(f"\ndigits demo: eval top-1 {summary['eval_top1']:.4f} on {counts['validation']} held-out real scans "
           f"after {summary['steps']} steps on {summary['num_workers']} worker(s) ({summary['images_per_sec']} "

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from tfscale import local_sgd  # noqa: E402
+from tfscale.training import local_sgd  # noqa: E402
 
 flags.DEFINE_float("effective_batch", None, "B_e, the effective batch to match.", lower_bound=1)
 flags.DEFINE_integer("num_workers", None, "M, workers (replicas).", lower_bound=1)

@@ -8,7 +8,7 @@ r"""Write a ready-to-submit Slurm batch script for a tfscale run from slurm/{mwm
     sbatch r50_32gpu.sbatch
 
 One task per GPU: nodes x gpus_per_node replicas, which must divide the config's global batch (the
-check is tfscale.validation.validate's, so a bad split fails here, naming the nearest valid batch sizes,
+check is tfscale.config.validation.validate's, so a bad split fails here, naming the nearest valid batch sizes,
 instead of minutes into a queued job). CPU-only nodes: --gpus_per_node=0 --tasks_per_node=T.
 `--config.x.y=v` overrides are validated with the config and passed on to every task unchanged.
 
@@ -38,7 +38,8 @@ import shlex
 import subprocess
 import sys
 
-from tfscale import errors, validation
+from tfscale import errors
+from tfscale.config import validation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # runs from a checkout too, without `pip install -e .`
@@ -171,7 +172,7 @@ def check_data_request(cfg, args: argparse.Namespace, overrides: list[str]) -> N
 
 
 def check_config(cfg, nodes: int, tasks: int) -> None:
-    """tfscale.validation.validate, then again for the job's replica count (one replica per task): errors
+    """tfscale.config.validation.validate, then again for the job's replica count (one replica per task): errors
     about the split name it, the others are the config's alone."""
     try:
         validation.validate(cfg)
@@ -314,7 +315,7 @@ def study_cells(args: argparse.Namespace) -> tuple[int, list[tuple[str, list[str
     the study's. Without --study: no runs, and the single config with no extra overrides."""
     if not args.study:
         return 0, [("", [])]
-    from tfscale import study as tfs_study
+    from tfscale.study import study as tfs_study
 
     try:
         study = tfs_study.load_study(args.study)
@@ -337,7 +338,7 @@ def study_cells(args: argparse.Namespace) -> tuple[int, list[tuple[str, list[str
 
 def check_doctor(doctor: str) -> None:
     """--doctor is '', 'all' or names of tfscale-doctor's checks."""
-    from tfscale import doctor as tfs_doctor
+    from tfscale.perf import doctor as tfs_doctor
 
     unknown = [name for name in doctor.split(",") if name and name != "all" and name not in tfs_doctor.CHECK_NAMES]
     if unknown or ("all" in doctor.split(",") and doctor != "all"):

@@ -16,7 +16,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from tfscale import scaling  # noqa: E402
+from tfscale.perf import scaling  # noqa: E402
 
 _REFERENCE = flags.DEFINE_integer("reference", None, "Worker count the speedup is relative to (default: smallest).")
 _OUTPUT = flags.DEFINE_string("output", None, "Markdown file to write the table (and plot link) to.")

@@ -33,9 +33,11 @@ sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import make_sbatch  # noqa: E402
 
-from tfscale import errors
 from tfscale import config as tfs_config  # noqa: E402
-from tfscale import plan, plan_model, scaling  # noqa: E402
+from tfscale import errors
+from tfscale.perf import plan  # noqa: E402
+from tfscale.perf import plan_model, scaling
+from tfscale.workdir import layout
 
 REPORT_JOB = """#!/bin/bash
 #SBATCH --job-name=tfscale-sweep-report
@@ -163,7 +165,7 @@ def measured_points(workdir: str) -> tuple[dict, list[dict]]:
         sweep = json.load(f)
     done = []
     for run in sweep["points"]:
-        path = os.path.join(run["workdir"], "benchmark.json")
+        path = os.path.join(run["workdir"], layout.BENCHMARK)
         if os.path.exists(path):
             with open(path) as f:
                 done.append({**run, "report": json.load(f)})

@@ -34,7 +34,8 @@ from absl import app, flags
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)  # run from a checkout
 
-from tfscale import train  # noqa: E402
+from tfscale import errors  # noqa: E402
+from tfscale.workdir import layout  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/soak", "Where the reference run, the soak run and soak.json go.")
 _CYCLES = flags.DEFINE_integer("cycles", 20, "Faults to inject (each followed by a resume).")
@@ -59,7 +60,7 @@ def launch_command(workdir: str, epochs: float) -> list[str]:
 
 def logged_steps(workdir: str) -> list[int]:
     try:
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        with open(os.path.join(workdir, layout.METRICS)) as f:
             return [json.loads(line)["step"] for line in f if '"loss"' in line and line.endswith("\n")]
     except FileNotFoundError:
         return []
@@ -124,7 +125,7 @@ def one_cycle(cycle: int, workdir: str, epochs: float, rng: random.Random) -> di
     output = open(log_path).read()
     saved = sorted(set(int(s) for s in re.findall(r"checkpoint saved at step (\d+);", output)))
     if fault == "sigterm":
-        record["ok"] = code == train.EXIT_PREEMPTED and len(saved) == 1
+        record["ok"] = code == errors.EXIT_PREEMPTED and len(saved) == 1
         record["checkpoint_step"] = saved[0] if saved else None
     else:
         record["ok"] = code not in (0, None) and record["seconds_to_exit"] < _MAX_EXIT_S.value
@@ -141,7 +142,7 @@ def resumed_from(log_path: str) -> int | None:
 def checkpoint_values(workdir: str) -> dict:
     import tensorflow as tf  # only for the final comparison
 
-    reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
+    reader = tf.train.load_checkpoint(os.path.join(workdir, layout.CHECKPOINTS))
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
             if "OBJECT_GRAPH" not in k and "save_counter" not in k}
 
@@ -163,7 +164,7 @@ def main(argv):
     reference, soaked = os.path.join(root, "reference"), os.path.join(root, "run")
     rng = random.Random(_SEED.value)
     print(f"soak: reference run of {int(epochs * STEPS_PER_EPOCH)} steps on {_WORKERS.value} {_BACKEND.value} workers")
-    if not os.path.exists(os.path.join(reference, "summary.json")):
+    if not os.path.exists(os.path.join(reference, layout.SUMMARY)):
         run_to_end(reference, epochs, os.path.join(root, "reference.log"))
     cycles = []
     for cycle in range(1, _CYCLES.value + 1):

@@ -25,6 +25,8 @@ import sys
 
 from absl import app, flags
 
+from tfscale.workdir import layout
+
 _STEP_EVENT = flags.DEFINE_string("step_event", "batch_step", "Name of the tf.function whose executions are steps.")
 _HOROVOD_TIMELINE = flags.DEFINE_string("horovod_timeline", None, "A Horovod timeline (HOROVOD_TIMELINE) to summarise.")
 
@@ -43,7 +45,7 @@ def host_events(workdir: str) -> list[tuple[str, str, int, int]]:
     """(thread, event name, start ps, end ps) of the host plane of the newest trace under `workdir`."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2  # TensorFlow's own trace format
 
-    traces = sorted(glob.glob(os.path.join(workdir, "tensorboard", "plugins", "profile", "*", "*.xplane.pb")))
+    traces = sorted(glob.glob(os.path.join(workdir, layout.TENSORBOARD, "plugins", "profile", "*", "*.xplane.pb")))
     if not traces:
         sys.exit(f"step_timeline: no profiler trace under {workdir}/tensorboard/plugins/profile "
                  "(run with --config.profile_steps=START,END)")

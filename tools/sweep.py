@@ -21,7 +21,7 @@ efficiency (WORKDIR/ceiling.json).
 
 With --predict (default) each worker count above one also runs the all-reduce benchmark
 (benchmark.mode=allreduce) right after its step benchmark, and tfscale-plan predicts that point from
-the 1-worker rate and that all-reduce table alone (the link fitted as tfscale.plan.link_from_allreduce
+the 1-worker rate and that all-reduce table alone (the link fitted as tfscale.perf.plan.link_from_allreduce
 does); report.md shows predicted beside measured (docs/scaling.md).
 """
 
@@ -38,7 +38,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)  # run from a checkout
 
 from tfscale import config as tfs_config  # noqa: E402
-from tfscale import plan, plan_model, scaling  # noqa: E402
+from tfscale.perf import plan  # noqa: E402
+from tfscale.perf import plan_model, scaling
+from tfscale.workdir import layout
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "Where the runs and the report go.")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker counts to measure.")
@@ -103,7 +105,7 @@ def measure(backend: str, num_workers: int, overrides: list[str], mode: str = ""
         sys.exit(f"sweep: {name} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     last = next(line for line in reversed(result.stdout.splitlines()) if line.strip())
     print(f"sweep: {name}: {last.split('] ')[-1]}", flush=True)
-    return os.path.join(workdir, "benchmark.json")
+    return layout.benchmark(workdir)
 
 
 def measure_side_by_side(num_workers: int, overrides: list[str], round_number: int) -> list[str]:
@@ -122,7 +124,7 @@ def measure_side_by_side(num_workers: int, overrides: list[str], round_number: i
         _, stderr = job.communicate()
         if job.returncode != 0:
             sys.exit(f"sweep: {name} failed (exit {job.returncode}):\n{stderr[-3000:]}")
-    paths = [os.path.join(workdir, "benchmark.json") for workdir in workdirs]
+    paths = [layout.benchmark(workdir) for workdir in workdirs]
     rates = [read(path)["total_images_per_sec"] for path in paths]
     print(f"sweep: {name}: images/sec {' / '.join(f'{rate:.2f}' for rate in rates)}", flush=True)
     return paths

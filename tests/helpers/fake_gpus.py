@@ -18,7 +18,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 from tfscale import config as tfs_config  # noqa: E402
-from tfscale import devices, distribute  # noqa: E402
+from tfscale.cluster import devices  # noqa: E402
+from tfscale.cluster import distribute
 
 
 class FakeGpuConfig:

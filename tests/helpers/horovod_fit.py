@@ -15,8 +15,10 @@ import keras
 import numpy as np
 from absl import app, flags
 
-from tfscale import callbacks, distribute, optim
+from tfscale.cluster import distribute
 from tfscale.config import base_config
+from tfscale.model import optim
+from tfscale.training import callbacks
 
 _MODE = flags.DEFINE_enum("mode", "averaging", ["averaging", "plain", "single"], "What to run.")
 PER_RANK_BATCH, NUM_RANKS, STEPS, LR = 8, 2, 12, 0.2

@@ -15,7 +15,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-from tfscale import collectives, horovod_start  # noqa: E402
+from tfscale.cluster import collectives  # noqa: E402
+from tfscale.cluster import horovod_start
 
 
 def main(out_path: str) -> None:

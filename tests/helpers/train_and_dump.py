@@ -29,7 +29,9 @@ import time
 import keras
 import numpy as np
 
-from tfscale import checkpoints, cli, connect, engine, train
+from tfscale import cli
+from tfscale.cluster import connect
+from tfscale.training import checkpoints, engine, train
 
 
 class DumpWeights(keras.callbacks.Callback):

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
-from tfscale import devices
+from tfscale.cluster import devices
 
 
 def default_num_workers() -> int:

@@ -44,37 +44,11 @@ import random
 
 import numpy as np
 
-SCHEMES = ("disjoint", "full", "coarse", "medium_coarse", "fine_grained", "overlap")
-LEVELS = ("auto", "file", "example")  # config.data.assignment_level
+from tfscale.config.names import ASSIGNMENT_LEVELS
+from tfscale.config.rules import check_assignment, num_copies
+
 # fine_grained: offset sets per cycle when not all C-subsets are used (the pattern holds this many x M items).
 MAX_FINE_GRAINED_ROUNDS = 8192
-_TAKES_COPIES = ("coarse", "medium_coarse", "fine_grained", "overlap")
-
-
-def check(scheme: str, copies: int, num_workers: int) -> None:
-    """ValueError naming the bad value: unknown scheme, num_workers < 1, copies outside [1, M], or
-    (coarse) copies that do not divide the workers. `copies` is ignored by `disjoint` and `full`."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"assignment scheme {scheme!r} is not one of {SCHEMES}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-    if scheme not in _TAKES_COPIES:
-        return
-    if isinstance(copies, bool) or not isinstance(copies, int):
-        raise ValueError(f"copies must be an int, got {copies!r}")
-    if not 1 <= copies <= num_workers:
-        raise ValueError(f"copies={copies} must be in [1, num_workers={num_workers}] for scheme {scheme!r} "
-                         f"(1 = disjoint, {num_workers} = full)")
-    if scheme == "coarse" and num_workers % copies:
-        divisors = [c for c in range(1, num_workers + 1) if num_workers % c == 0]
-        raise ValueError(f"copies={copies} must divide num_workers={num_workers} for scheme 'coarse' (groups of "
-                         f"C workers hold equal data): use one of {divisors}, or medium_coarse / fine_grained")
-
-
-def num_copies(scheme: str, copies: int, num_workers: int) -> int:
-    """C: how many workers read each item (1 for disjoint, M for full)."""
-    check(scheme, copies, num_workers)
-    return {"disjoint": 1, "full": num_workers}.get(scheme, copies)
 
 
 @functools.lru_cache(maxsize=64)
@@ -93,7 +67,7 @@ def fine_grained_offsets(num_workers: int, copies: int) -> tuple[tuple[int, ...]
 @functools.lru_cache(maxsize=256)
 def pattern(*, rank: int, num_workers: int, scheme: str, copies: int = 1) -> tuple[bool, ...]:
     """Worker `rank` reads item i iff `pattern[i % len(pattern)]`."""
-    check(scheme, copies, num_workers)
+    check_assignment(scheme, copies, num_workers)
     if not isinstance(rank, int) or not 0 <= rank < num_workers:
         raise ValueError(f"rank={rank!r} must be in [0, num_workers={num_workers})")
     m, c, r = num_workers, copies, rank
@@ -181,8 +155,8 @@ def describe(summary: dict) -> str:
 def shard_level(num_files: int, num_workers: int, level: str = "auto") -> str:
     """"file" or "example": what the scheme assigns. "auto" gives whole files when every worker can get
     some (num_files >= num_workers), else examples (every worker reads every file and keeps its own)."""
-    if level not in LEVELS:
-        raise ValueError(f"assignment level {level!r} is not one of {LEVELS}")
+    if level not in ASSIGNMENT_LEVELS:
+        raise ValueError(f"assignment level {level!r} is not one of {ASSIGNMENT_LEVELS}")
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if num_files < 1:

@@ -35,19 +35,22 @@ records are shuffled through DALI's buffer (files in a fixed order), not reshuff
 
 from __future__ import annotations
 
-
 import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale import devices, errors
+from tfscale import errors
+from tfscale.cluster import devices
 from tfscale.config import DALI_INSTALL_HINT
+from tfscale.config.rules import check_assignment
 from tfscale.data.convert import dali_index
 from tfscale.data.input import assignment, pipeline, preprocess, shard_dir
 
 try:
     import nvidia.dali.tfrecord as tfrec
-    from nvidia.dali import fn, math as dali_math, pipeline_def, types
+    from nvidia.dali import fn
+    from nvidia.dali import math as dali_math
+    from nvidia.dali import pipeline_def, types
     from nvidia.dali.plugin import tf as dali_tf
 except ImportError as _err:  # validation.validate says it first; this covers callers that skip it
     raise ImportError(f"config.data.loader='dali' needs NVIDIA DALI: {DALI_INSTALL_HINT} ({_err})") from _err
@@ -104,7 +107,7 @@ def _gpu_ordinal() -> int:
 def reader_files(data_cfg: ml_collections.ConfigDict, files: list[str], rank: int,
                  num_workers: int) -> tuple[list[str], int, int]:
     """(files, shard_id, num_shards) of worker `rank`'s training reader under data.assignment."""
-    assignment.check(data_cfg.assignment, data_cfg.copies, num_workers)
+    check_assignment(data_cfg.assignment, data_cfg.copies, num_workers)
     if assignment.shard_level(len(files), num_workers, data_cfg.assignment_level) == "file":
         return pipeline.worker_files(files, data_cfg, rank, num_workers), 0, 1
     if data_cfg.assignment not in _SUPPORTED_EXAMPLE_LEVEL:

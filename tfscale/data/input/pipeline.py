@@ -30,13 +30,15 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale import devices
+from tfscale.cluster import devices
+from tfscale.config.names import SYNTHETIC_DATASETS
+from tfscale.config.rules import check_assignment
 from tfscale.data.convert import dali_index
 from tfscale.data.input import assignment, batch_augment, faults, info, preprocess, record_index, shard_dir, synthetic
 
 InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 _READ_BUFFER_BYTES = 8 << 20  # per open shard; large sequential reads suit parallel file systems
-_SYNTHETIC = ("synthetic", "synthetic_learnable")
+
 
 
 def label_check_fn(data_cfg: ml_collections.ConfigDict):
@@ -93,7 +95,7 @@ def _worker_records(files: list[str], data_cfg, input_context, seed: int) -> tup
     file order for the shuffle buffer to mix."""
     rank, workers = input_context.input_pipeline_id, input_context.num_input_pipelines
     scheme = dict(scheme=data_cfg.assignment, copies=data_cfg.copies, num_workers=workers)
-    assignment.check(data_cfg.assignment, data_cfg.copies, workers)
+    check_assignment(data_cfg.assignment, data_cfg.copies, workers)
     if assignment.shard_level(len(files), workers, data_cfg.assignment_level) == "file":
         mine = worker_files(files, data_cfg, rank, workers)
         shard_dir.require_present(mine, os.path.dirname(mine[0]), f"worker {rank} of {workers} reads")
@@ -266,7 +268,7 @@ def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step
     data_dir = data_dir or data_cfg.data_dir
 
     def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        if data_cfg.dataset in _SYNTHETIC:
+        if data_cfg.dataset in SYNTHETIC_DATASETS:
             return finish(synthetic.train_dataset(data_cfg, input_context, seed=seed, start_step=start_step), data_cfg)
         shuffle_seed = worker_seed(seed, start_step, input_context.input_pipeline_id)
         per_replica_batch = input_context.get_per_replica_batch_size(data_cfg.global_batch_size)
@@ -329,7 +331,7 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batc
     data_dir = data_dir or data_cfg.data_dir
 
     def input_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        if data_cfg.dataset in _SYNTHETIC:
+        if data_cfg.dataset in SYNTHETIC_DATASETS:
             ds = synthetic.eval_dataset(
                 data_cfg, input_context, seed=seed, global_batch_size=global_batch_size, num_steps=num_steps
             )

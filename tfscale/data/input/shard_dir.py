@@ -1,5 +1,5 @@
-"""Where a run's shards are: a split's shard list (staged copies included), the checks against the
-conversion manifest, and staging to node-local disk before a run (`prepare_data_dir`).
+"""Where a run's shards are: a split's shard list (staged copies included) and the checks against the
+conversion manifest (tfscale.data.stage.stage.prepare_data_dir stages and then runs them).
 
 TensorFlow is used only through tf.io.gfile, so shard directories on remote file systems work too.
 """
@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfscale import errors
 from tfscale import io as tfio
-from tfscale.data.stage import stage
+from tfscale.data.input.shard_list import SHARD_LIST_FILE, read_shard_list
 
 
 def list_shards(data_dir: str, split: str) -> list[str]:
@@ -25,7 +25,7 @@ def list_shards(data_dir: str, split: str) -> list[str]:
     """
     if not tf.io.gfile.isdir(data_dir):
         raise errors.MissingDataError(f"config.data.data_dir={data_dir!r} is not a directory")
-    staged = stage.read_shard_list(data_dir, split)
+    staged = read_shard_list(data_dir, split)
     files = ([os.path.join(data_dir, name) for name in staged] if staged
              else sorted(tf.io.gfile.glob(os.path.join(data_dir, f"{split}-*-of-*"))))
     if not files:
@@ -35,7 +35,7 @@ def list_shards(data_dir: str, split: str) -> list[str]:
 
 def is_staged_copy(data_dir: str) -> bool:
     """A staging destination (node-local, so plain os): its shard lists may name files it does not hold."""
-    return os.path.exists(os.path.join(data_dir, stage.SHARD_LIST_FILE))
+    return os.path.exists(os.path.join(data_dir, SHARD_LIST_FILE))
 
 
 def require_present(paths: list[str], data_dir: str, what: str) -> None:
@@ -116,36 +116,3 @@ def holds_only_jpeg(data_dir: str, split: str) -> bool:
     where = tfio.find_manifest(data_dir, split)
     manifest = tfio.read_manifest_file(where) if where else None
     return bool(manifest) and manifest.get("image_format") == "jpeg"
-
-
-def prepare_data_dir(data_cfg: ml_collections.ConfigDict, *, num_train_examples: int, num_eval_examples: int,
-                     worker_ranks: tuple[int, ...] | None = None, num_workers: int | None = None) -> str:
-    """The directory to read shards from: staged to `data.stage_dir` first when set; checked.
-
-    Staging copies every eval shard and, with `worker_ranks` (of `num_workers`), only the train shards
-    those workers read under data.assignment; without them every shard. Training and benchmarking
-    (engine.setup) pass each worker's own rank: the workers of a node share the stage dir and take
-    turns under its lock, so the node's copy holds what its workers read.
-    A staged copy may lack other workers' train shards: each worker checks its own when it builds
-    its dataset. Anywhere else every shard must be there.
-    """
-    if data_cfg.dataset != "tfrecord":
-        return data_cfg.data_dir
-    data_dir = data_cfg.data_dir
-    check_same_classes(data_cfg)  # before staging: a wrong eval split is not worth copying
-    if data_cfg.stage_dir:
-        readers = None
-        # Evaluating on the train split reads every file of it on every worker: then stage it whole.
-        if worker_ranks is not None and data_cfg.eval_split != data_cfg.train_split:
-            readers = stage.Readers(tuple(worker_ranks), num_workers, data_cfg.assignment, data_cfg.copies,
-                                    data_cfg.assignment_level)
-        data_dir = stage.stage(data_dir, data_cfg.stage_dir, splits=(data_cfg.train_split, data_cfg.eval_split),
-                               train_split=data_cfg.train_split, readers=readers).dest_dir
-    for split, num_examples in ((data_cfg.train_split, num_train_examples), (data_cfg.eval_split, num_eval_examples)):
-        # Train shards of a staged copy may be another node's: each worker checks its own in _worker_records.
-        partial = split == data_cfg.train_split != data_cfg.eval_split and is_staged_copy(data_dir)
-        shards = list_shards(data_dir, split)
-        if not partial:
-            require_present(shards, data_dir, f"of {split}")
-        check_against_manifest(data_cfg, data_dir, split, num_examples, allow_missing=partial)
-    return data_dir

@@ -66,13 +66,13 @@ from typing import Iterable
 from absl import app, flags, logging
 
 from tfscale import cli
-from tfscale.data.input import assignment
+from tfscale.config.names import ASSIGNMENT_SCHEMES
+from tfscale.data.input.shard_list import SHARD_LIST_FILE, read_shard_list, save_shard_lists
 from tfscale.data.stage import stage_copy
 from tfscale.data.stage.stage_copy import BYTES_PER_MB, READ_ATTEMPTS, READ_RETRY_FIRST_DELAY_S, VERIFY_MODES, ReadRetry
 from tfscale.data.stage.stage_plan import Readers, Shard, parse_ranks, plan
-from tfscale.data.stage.stage_state import (LOCK_FILE, PARTIAL_PREFIX, SHARD_LIST_FILE, STATE_FILE, StageError,
-                                            acquire_lock, load_state, read_shard_list, remove_partial_files,
-                                            save_shard_lists, save_state)
+from tfscale.data.stage.stage_state import (LOCK_FILE, PARTIAL_PREFIX, STATE_FILE, StageError, acquire_lock, load_state,
+                                            remove_partial_files, save_state)
 
 # The names users of staging (the input pipeline, job scripts, tests) reach through this module.
 __all__ = ["LOCK_FILE", "PARTIAL_PREFIX", "SHARD_LIST_FILE", "STATE_FILE", "VERIFY_MODES", "Readers", "StageError",
@@ -248,7 +248,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("num_workers", None, "Training workers of the whole job (with --worker_ranks).")
     flags.DEFINE_string("worker_ranks", None, "This node's training workers, e.g. 0,1,2,3 or 0-3: only the train "
                         "shards they read are staged. Default: every shard.")
-    flags.DEFINE_enum("assignment", "disjoint", assignment.SCHEMES, "config.data.assignment of the training run.")
+    flags.DEFINE_enum("assignment", "disjoint", ASSIGNMENT_SCHEMES, "config.data.assignment of the training run.")
     flags.DEFINE_integer("copies", 2, "config.data.copies of the training run (coarse, medium_coarse, fine_grained, overlap).")
     config_flags.DEFINE_config_file("config", None, "The training config (+ its --config.* overrides): splits and "
                                     "assignment come from its data section instead of the flags above.")

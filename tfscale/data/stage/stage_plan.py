@@ -18,6 +18,7 @@ from typing import Iterable
 from absl import logging
 
 from tfscale import io as tfio
+from tfscale.config.rules import check_assignment
 from tfscale.data.input import assignment
 
 
@@ -42,7 +43,7 @@ class Readers:
     level: str = "auto"  # config.data.assignment_level
 
     def __post_init__(self):
-        assignment.check(self.scheme, self.copies, self.num_workers)
+        check_assignment(self.scheme, self.copies, self.num_workers)
         if not self.ranks:
             raise ValueError("no worker ranks given")
         outside = [rank for rank in self.ranks if not 0 <= rank < self.num_workers]

@@ -2,7 +2,7 @@
 
 Files in dest_dir besides the staged shards and manifests (all dot files: shard globs never see them):
   `.tfscale-staged.json`    size, mtime_ns and sha256 of each verified staged file (`load_state`)
-  `.tfscale-shards.json`    {split: every source shard name, in reading order} (`read_shard_list`)
+  `.tfscale-shards.json`    {split: every source shard name, in reading order} (tfscale.data.input.shard_list)
   `.tfscale-stage.lock`     flock'ed by the copier; holds "pid P on HOST" for the waiters' messages
   `.tfscale-partial-*`      shards being copied; `.{name}.tmp-{pid}` for the JSON files and manifests
                             (tfscale.io's atomic writes). Both are removed by the next lock holder.
@@ -20,10 +20,10 @@ import time
 from absl import logging
 
 from tfscale import io as tfio
+from tfscale.data.input.shard_list import SHARD_LIST_FILE
 from tfscale.errors import StageError
 
 STATE_FILE = ".tfscale-staged.json"
-SHARD_LIST_FILE = ".tfscale-shards.json"  # {split: source shard names}: how workers number a partial copy
 LOCK_FILE = ".tfscale-stage.lock"
 PARTIAL_PREFIX = ".tfscale-partial-"  # temp names; dot files, so shard globs never see them
 _STATE_VERSION = 1
@@ -56,38 +56,6 @@ def save_state(dest_dir: str, records: dict[str, dict]) -> None:
     """Atomic (temp + rename): a crash leaves the old or the new state, never half of one."""
     tfio.write_json(os.path.join(dest_dir, STATE_FILE), {"version": _STATE_VERSION, "files": records}, indent=0,
                     sort_keys=True)
-
-
-def read_shard_list(data_dir: str, split: str) -> list[str] | None:
-    """Names of every `split` shard of the source `data_dir` was staged from, in reading order; None when
-    data_dir is not a staging destination of that split. The copy may hold only some of them (`Readers`).
-    """
-    path = os.path.join(data_dir, SHARD_LIST_FILE)
-    try:
-        with open(path) as f:
-            names = json.load(f)["splits"][split]
-    except (OSError, ValueError, KeyError, TypeError):  # absent (not staged here) or unreadable
-        return None
-    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-        return None
-    outside = [n for n in names if not tfio.is_plain_file_name(n)]
-    if outside:  # the input pipeline would read a file outside the copy
-        raise ValueError(f"{path} lists {split} shard {outside[0]!r}: shard names must be plain file names in {data_dir}")
-    return names
-
-
-def save_shard_lists(dest_dir: str, shard_lists: dict[str, list[str]]) -> None:
-    """Records (merged with other splits already recorded) how the staged splits' shards are numbered."""
-    path = os.path.join(dest_dir, SHARD_LIST_FILE)
-    try:
-        with open(path) as f:
-            recorded = dict(json.load(f)["splits"])
-    except (OSError, ValueError, KeyError, TypeError):
-        recorded = {}
-    if all(recorded.get(split) == names for split, names in shard_lists.items()):
-        return
-    recorded.update(shard_lists)
-    tfio.write_json(path, {"version": _STATE_VERSION, "splits": recorded}, indent=0, sort_keys=True)
 
 
 # ------------------------------------------------------------------------------------------ lock

@@ -1,0 +1,259 @@
+"""tfscale-plan: how fast, how efficient and how long a data-parallel job is at N GPUs, before it runs.
+
+    tfscale-plan --config=r50_32gpu --system=p100_ib_4gpu [--gpus=1,2,4,8,16,32] [--output_dir=runs/plan]
+    tfscale-plan --config=r50_32gpu --system=my_cluster.json --benchmark_json=runs/bench1/benchmark.json \
+        [--allreduce_json=runs/allreduce/benchmark.json]
+    tfscale-plan --published        # the model beside every published run it is checked against (docs/scaling.md)
+
+Prints a table per GPU count (images/sec, per GPU, speedup, efficiency against 1 GPU and against one
+node, step and all-reduce time, whether input bounds it, the wall time of the config's epochs) and
+writes plan.json and plan.png to --output_dir. The model itself: tfscale.perf.plan_model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+
+from tfscale import cli, errors, io
+from tfscale.perf import scaling
+from tfscale.perf.plan_model import System, Workload, default_gpu_counts, predict
+
+# --- systems from files and measurements -----------------------------------------------------------------------
+
+
+def load_system(path: str, **overrides) -> System:
+    """A System from a JSON file of its fields (docs/scaling.md shows one), with `overrides` applied."""
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--system={path}: {err}") from None
+    unknown = set(fields) - {f.name for f in dataclasses.fields(System)}
+    if unknown:
+        raise ValueError(f"--system={path}: unknown field(s) {', '.join(sorted(unknown))}")
+    fields.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    try:
+        return dataclasses.replace(System(**fields), **overrides)
+    except TypeError as err:
+        raise ValueError(f"--system={path}: {err}") from None
+
+
+def link_from_allreduce(rows: list[dict], num_replicas: int) -> tuple[float, float]:
+    """(bandwidth GB/s, latency us per ring step) of the ring that gave an all-reduce benchmark's table.
+
+    Latency from the smallest message (its time is nearly all 2(n-1) steps), bandwidth from the largest
+    with that latency taken off: the two-point fit of `ring_allreduce_s` to the measurement.
+    """
+    smallest, largest = min(rows, key=lambda r: r["size_bytes"]), max(rows, key=lambda r: r["size_bytes"])
+    steps = 2 * (num_replicas - 1)
+    latency_s = smallest["time_us"] * 1e-6 / steps
+    transfer_s = max(largest["time_us"] * 1e-6 - steps * latency_s, 1e-9)
+    return 2 * (num_replicas - 1) / num_replicas * largest["size_bytes"] / transfer_s / 1e9, latency_s * 1e6
+
+
+def workload_from_config(cfg, per_gpu_batch: int | None = None, layers=None, batchnorm_bytes: int = 0) -> Workload:
+    """The Workload a tfscale config runs: its model's layers, batch, and the backend's all-reduces."""
+    if layers is None:
+        layers, batchnorm_bytes = model_layers(cfg)
+    backend = cfg.distribute.backend
+    # Horovod fuses up to HOROVOD_FUSION_THRESHOLD (128 MiB by default); MWMS packs pack_bytes (0: one message).
+    fusion = (cfg.distribute.horovod_fusion_bytes or 128 << 20) if backend == "horovod" else cfg.distribute.pack_bytes
+    return Workload(
+        model=cfg.model.name,
+        per_gpu_batch=per_gpu_batch or cfg.data.max_per_replica_batch_size or cfg.data.global_batch_size,
+        layers=tuple(layers), algorithm="ring", overlap="none", fusion_bytes=fusion,
+        wire_factor=0.5 if backend == "horovod" and cfg.distribute.horovod_fp16_allreduce else 1.0,
+        # After its last step, engine's loop sums its steps' losses and the stop flag (float32 each) and
+        # averages BatchNorm's moving statistics (unless synchronized BatchNorm made them equal).
+        loop_collectives=(4 * (cfg.train.steps_per_loop + 1), *(() if cfg.model.sync_bn else (batchnorm_bytes,))),
+        steps_per_loop=cfg.train.steps_per_loop,
+        num_train_examples=cfg.data.num_train_examples, epochs=cfg.train.epochs)
+
+
+def model_layers(cfg) -> tuple[list[tuple[int, int]], int]:
+    """(gradient bytes, forward FLOPs) of each layer with trainable weights of the config's model, forward order,
+    and the bytes of its non-trainable float weights (BatchNorm's moving statistics)."""
+    import numpy as np
+
+    from tfscale.model import stats  # Keras, only when a config's model is planned
+    from tfscale.model import models
+
+    model = models.create_from_config(cfg)
+    frozen = sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in model.non_trainable_weights)
+    return stats.layer_costs(model), int(frozen)
+
+
+# --- output --------------------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict], epochs: float) -> str:
+    lines = [f"{'GPUs':>5} {'nodes':>5} {'images/sec':>11} {'per GPU':>8} {'speedup':>8} {'eff(1 GPU)':>10} "
+             f"{'eff(node)':>9} {'step ms':>8} {'all-red ms':>10} {'exposed':>8} {'input':>6} {f'{epochs:g} epochs':>11}"]
+    for r in rows:
+        lines.append(f"{r['gpus']:>5} {r['nodes']:>5} {r['images_per_sec']:>11.1f} {r['per_gpu_images_per_sec']:>8.1f} "
+                     f"{r['speedup']:>8.2f} {r['efficiency']:>10.3f} {r['efficiency_vs_node']:>9.3f} "
+                     f"{r['step_ms']:>8.1f} {r['allreduce_ms']:>10.1f} {r['exposed_ms']:>8.1f} "
+                     f"{'BOUND' if r['input_bound'] else 'ok':>6} {r['hours_for_epochs']:>9.1f} h")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    gpus = [r["gpus"] for r in rows]
+    with scaling.two_panel_png(path, title, figsize=(10, 4)) as (speed, eff):
+        speed.plot(gpus, [r["images_per_sec"] for r in rows], "o-", label="predicted")
+        one_gpu = rows[0]["images_per_sec"] / rows[0]["speedup"]
+        speed.plot(gpus, [g * one_gpu for g in gpus], "k:", label="linear")
+        speed.set(xlabel="GPUs", ylabel="images/sec", xscale="log", yscale="log", title="throughput")
+        eff.plot(gpus, [r["efficiency"] for r in rows], "o-", label="vs 1 GPU")
+        eff.plot(gpus, [r["efficiency_vs_node"] for r in rows], "s--", label="vs 1 node")
+        eff.set(xlabel="GPUs", ylabel="efficiency", xscale="log", ylim=(0, 1.1), title="scaling efficiency")
+
+
+def write_outputs(output_dir: str, workload: Workload, system: System, rows: list[dict], title: str) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    summary = {k: v for k, v in dataclasses.asdict(workload).items() if k != "layers"}
+    summary["gradient_bytes"] = workload.gradient_bytes
+    io.write_json(os.path.join(output_dir, "plan.json"),
+                  {"workload": summary, "system": dataclasses.asdict(system), "rows": rows})
+    plot(rows, os.path.join(output_dir, "plan.png"), title)
+
+
+def describe(workload: Workload, system: System) -> str:
+    when = ("tensor by tensor as gradients become ready" if workload.overlap == "per_tensor"
+            else "after the backward pass")
+    return (f"{workload.model}, {workload.per_gpu_batch} images per GPU, {workload.gradient_bytes / 1e6:.1f} MB of "
+            f"gradients ({workload.algorithm} all-reduce {when}); {system.name}: {system.gpus_per_node} GPUs per node, "
+            f"1 GPU {system.gpu_images_per_sec:g} images/sec, {system.intra_node_GBps:g} GB/s in a node, "
+            f"{system.inter_node_GBps:g} GB/s between nodes")
+
+
+def fail(message: str) -> None:
+    sys.exit(f"tfscale-plan: {message}")
+
+
+# --- the command line ----------------------------------------------------------------------------------------
+
+
+def resolve_system(name_or_path: str, model: str, per_gpu_batch: int) -> System:
+    """A published system by name (calibrated; its one-GPU rate when a published series matches the model and
+    batch), or a JSON file."""
+    from tfscale.perf import plan_published
+
+    if name_or_path in plan_published.SYSTEMS:
+        system = plan_published.calibrated_systems()[name_or_path]
+        series = [s for s in plan_published.SERIES if (s.system, s.model, s.per_gpu_batch) ==
+                  (name_or_path, model, per_gpu_batch)]
+        if series:
+            one = series[0].one_gpu or dict(series[0].images_per_sec)[1]
+            system = dataclasses.replace(system, gpu_images_per_sec=one, sources={
+                **system.sources, "gpu_images_per_sec": series[0].source})
+        return system
+    if not os.path.isfile(name_or_path):
+        raise ValueError(f"--system={name_or_path!r} is neither a file nor one of: {', '.join(plan_published.SYSTEMS)}")
+    return load_system(name_or_path)
+
+
+def measured_overrides(benchmark_json: str, allreduce_json: str) -> dict:
+    """System fields from tfscale-bench reports: the one-GPU rate, and the link the all-reduce table shows."""
+    overrides = {}
+    if benchmark_json:
+        report = _read_report(benchmark_json, "total_images_per_sec")
+        if report["num_replicas"] != 1:
+            raise ValueError(f"--benchmark_json={benchmark_json} ran on {report['num_replicas']} replicas; "
+                             "the plan's reference is one GPU (run tfscale-bench with one worker)")
+        overrides["gpu_images_per_sec"] = report["total_images_per_sec"]
+    if allreduce_json:
+        report = _read_report(allreduce_json, "allreduce")
+        bandwidth, latency = link_from_allreduce(report["allreduce"], report["num_replicas"])
+        overrides.update(intra_node_GBps=bandwidth, intra_node_latency_us=latency)
+    return overrides
+
+
+def _read_report(path: str, key: str) -> dict:
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: {err}") from None
+    if key not in report:
+        raise ValueError(f"{path} is not a tfscale-bench report with {key!r} (benchmark.mode "
+                         f"{'allreduce' if key == 'allreduce' else 'synthetic or train'})")
+    return report
+
+
+def run_plan(cfg, flags_) -> list[dict]:
+    workload = workload_from_config(cfg, per_gpu_batch=flags_.per_gpu_batch)
+    system = resolve_system(flags_.system, workload.model, workload.per_gpu_batch)
+    overrides = measured_overrides(flags_.benchmark_json, flags_.allreduce_json)
+    if flags_.gpu_images_per_sec:
+        overrides["gpu_images_per_sec"] = flags_.gpu_images_per_sec
+    system = dataclasses.replace(system, **overrides)
+    if system.gpu_images_per_sec <= 0:
+        raise ValueError(f"no one-GPU images/sec for {workload.model} at {workload.per_gpu_batch} per GPU on "
+                         f"{system.name}: give --gpu_images_per_sec, or --benchmark_json from a one-GPU tfscale-bench run")
+    counts = [int(n) for n in flags_.gpus] or default_gpu_counts(system.gpus_per_node, flags_.max_gpus)
+    rows = predict(workload, system, counts)
+    title = describe(workload, system)
+    print(f"tfscale-plan: {title}")
+    print(table(rows, workload.epochs))
+    if flags_.output_dir:
+        write_outputs(flags_.output_dir, workload, system, rows,
+                      f"{workload.model}, {workload.per_gpu_batch} images per GPU, on {system.name}")
+        print(f"wrote {os.path.join(flags_.output_dir, 'plan.json')} and plan.png")
+    return rows
+
+
+def main(argv) -> None:
+    from absl import app, flags
+
+    from tfscale.perf import plan_published
+
+    del argv
+    values = flags.FLAGS
+    if values.published:
+        print(plan_published.markdown(plan_published.compare()))
+        return
+    if values.config is None:
+        raise app.UsageError("--config is required (or --published)")
+    try:
+        run_plan(values.config, values)
+    except (ValueError, errors.ConfigError) as err:
+        fail(str(err))
+
+
+def define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Config file (or bundled recipe name) of the job to plan.",
+                                    lock_config=True)
+    flags.DEFINE_string("system", "p100_ib_4gpu", "A cluster: a JSON file of tfscale.perf.plan_model.System's fields, or "
+                        "one of the published systems (tfscale.perf.plan_published.SYSTEMS).")
+    flags.DEFINE_list("gpus", [], "GPU counts to predict (default: 1, 2, .. a node, then doubling to --max_gpus).")
+    flags.DEFINE_integer("max_gpus", 64, "Largest GPU count of the default list.")
+    flags.DEFINE_integer("per_gpu_batch", 0, "Images per GPU (default: the config's max_per_replica_batch_size, "
+                         "else its global batch).")
+    flags.DEFINE_float("gpu_images_per_sec", 0.0, "One GPU's images/sec at that batch (overrides the system's).")
+    flags.DEFINE_string("benchmark_json", "", "A one-GPU tfscale-bench benchmark.json: its images/sec.")
+    flags.DEFINE_string("allreduce_json", "", "A tfscale-bench allreduce benchmark.json: the link between GPUs.")
+    flags.DEFINE_string("output_dir", "", "Write plan.json and plan.png here.")
+    flags.DEFINE_bool("published", False, "Print the model beside the published runs it is checked against.")
+
+
+def run():
+    """Console-script entry point (`tfscale-plan`)."""
+    from absl import app
+
+    from tfscale import config as tfs_config
+
+    define_flags()
+    sys.argv = [tfs_config.resolve_config_arg(arg) for arg in sys.argv]
+    app.run(main, flags_parser=cli.parse_flags)
+
+
+if __name__ == "__main__":
+    run()

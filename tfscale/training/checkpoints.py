@@ -1,0 +1,170 @@
+"""The one owner of a run's checkpoints and of its step counter.
+
+`Checkpoints` restores the workdir's latest checkpoint or initialises a fresh run, makes every worker
+start from the chief's state, saves periodically and on preemption, and counts global steps: the
+`step` variable it saves is the single step count of a run (the train loop advances it on device;
+callbacks receive it as `logs["global_step"]`). `optimizer.iterations` is not used as a step count: it
+stops when float16 loss scaling skips an update.
+
+Where each worker writes: the chief to `workdir/checkpoints`. Under tf.distribute strategies saving is
+a collective, so the other workers must save at the same moment, into a scratch directory that is
+discarded at the end. A Horovod rank saves (or not) on its own: only the chief does.
+
+What a fault leaves: TensorFlow writes a checkpoint's files first and lists it in the `checkpoint`
+state file last (atomically), so a save killed part-way leaves the earlier checkpoints listed and
+usable. A listed checkpoint that cannot be read (a file lost or cut short on the file system) is
+skipped with a warning and the next older one restored; when none can be, the run stops naming
+each file and why, never starting over in silence. A save that fails (disk full, quota) removes
+its partial files and raises `errors.WriteError` naming the directory and the free space.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import tempfile
+from typing import Callable
+
+import tensorflow as tf
+from absl import logging
+
+from tfscale import io
+from tfscale.errors import CheckpointError
+from tfscale.workdir import layout
+
+
+class Checkpoints:
+    """Restore-or-init, periodic and final saves, and the step counter of one run."""
+
+    def __init__(self, workdir: str, cluster, *, model, optimizer, max_to_keep: int, extra: dict | None = None):
+        """`extra`: more variables to save by name (local SGD's sync counts)."""
+        self.directory = layout.checkpoints(workdir)
+        self.cluster = cluster
+        with cluster.strategy.scope():
+            # Keeps its checkpoint key "global_step", so checkpoints of earlier runs restore.
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+        extra = extra or {}
+        self._state = [*model.variables, *optimizer.variables, self.step, *extra.values()]
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, global_step=self.step, **extra)
+        self._manager = self._make_manager(max_to_keep)
+        self._last_saved_step = None
+
+    def _make_manager(self, max_to_keep: int) -> tf.train.CheckpointManager | None:
+        """The chief's manager of workdir/checkpoints, a scratch one (collective saving), or None."""
+        if self.cluster.is_chief:
+            directory = self.directory
+        elif self.cluster.saving_is_collective:
+            directory = tempfile.mkdtemp(prefix="tfscale_ckpt_")
+        else:
+            return None
+        return tf.train.CheckpointManager(self._checkpoint, directory, max_to_keep=max_to_keep)
+
+    def restore_or_init(self, init: Callable[[], object]) -> int:
+        """Restores the chief's latest checkpoint, or calls `init()` for a fresh run; returns the start step.
+
+        Every worker restores from the chief's directory (the workdir is on a shared file system).
+        Afterwards all workers hold the chief's state: Horovod ranks each initialised on their own.
+        """
+        restored = self._restore_newest_usable()
+        if restored:
+            self._last_saved_step = int(self.step.numpy())  # not written again by the first save
+            logging.info("resumed from %s at step %d", restored, self._last_saved_step)
+        else:
+            init()
+        self.cluster.broadcast_from_chief(self._state)
+        return int(self.step.numpy())
+
+    def _restore_newest_usable(self) -> str | None:
+        """Restores the newest checkpoint that reads back whole; its prefix, or None when there is none."""
+        return restore_newest_usable(
+            self.directory, lambda prefix: self._checkpoint.restore(prefix).assert_existing_objects_matched())
+
+    def save(self, global_step: int) -> None:
+        """Saves `global_step` unless it is already saved; every worker calls it (it may be a collective)."""
+        if self._manager is not None and global_step != self._last_saved_step:
+            try:
+                self._manager.save(checkpoint_number=global_step)
+            except (tf.errors.OpError, OSError) as err:
+                _remove_partial_save(self._manager.directory, global_step)
+                raise io.write_error(os.path.join(self._manager.directory, f"ckpt-{global_step}"), err) from err
+            self._last_saved_step = global_step
+            logging.info("saved checkpoint at step %d to %s", global_step, self._manager.directory)
+
+    def close(self) -> None:
+        """Discards this worker's scratch directory (only the chief's checkpoints are kept)."""
+        if self._manager is not None and not self.cluster.is_chief:
+            shutil.rmtree(self._manager.directory, ignore_errors=True)
+
+
+def restore_newest_usable(directory: str, restore: Callable[[str], object]) -> str | None:
+    """Calls `restore(prefix)` on the checkpoints of `directory`, newest first, until one reads back whole;
+    returns its prefix, None when there is none, and raises CheckpointError naming each and why when
+    none can be read (a file lost or cut short on the file system): never an older state in silence."""
+    failures = []
+    for prefix in listed_checkpoints(directory):
+        try:
+            restore(prefix)
+            return prefix
+        except Exception as err:  # noqa: BLE001 - TensorFlow's reader raises OpError, ValueError, IndexError...
+            reason = " ".join(str(err).split())[:300]
+            logging.warning("skipping checkpoint %s: it cannot be restored (%s)", prefix, reason)
+            failures.append(f"{prefix} ({reason})")
+    if failures:
+        raise CheckpointError(
+            f"no usable checkpoint in {directory}: " + "; ".join(failures) + ". Nothing was deleted; "
+            "restore the files, or move the directory away to train from scratch"
+        )
+    return None
+
+
+def restore_model(workdir: str, model, checkpoint: str | None = None) -> tuple[str, int]:
+    """`model`'s weights and the global step from `checkpoint` (a prefix `W/checkpoints/ckpt-N`), or from
+    the newest checkpoint of `workdir` that reads back whole, as a resumed run would; (prefix, step).
+    The checkpoint's optimizer is left out (export and init_from need only the model)."""
+    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    state = tf.train.Checkpoint(model=model, global_step=step)
+
+    def restore(prefix: str) -> None:
+        state.restore(prefix).assert_existing_objects_matched().expect_partial()
+
+    if checkpoint is not None:
+        if not tf.io.gfile.exists(checkpoint + ".index"):
+            raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (no {checkpoint}.index)")
+        restore(checkpoint)
+        return checkpoint, int(step.numpy())
+    directory = layout.checkpoints(workdir)
+    prefix = restore_newest_usable(directory, restore)
+    if prefix is None:
+        raise FileNotFoundError(f"no checkpoint in {directory}: has the run in {workdir} saved one yet?")
+    return prefix, int(step.numpy())
+
+
+def listed_checkpoints(directory: str) -> list[str]:
+    """Checkpoint prefixes in `directory`, newest first: those the state file lists, or, when that file
+    is unreadable, every `ckpt-N` with an index file."""
+    try:
+        state = tf.train.get_checkpoint_state(directory)
+    except (tf.errors.OpError, ValueError) as err:  # a state file that is not a CheckpointState
+        logging.warning("checkpoint state file in %s unreadable (%s); looking for ckpt-N files", directory, err)
+        state = None
+        found = glob.glob(os.path.join(glob.escape(directory), "ckpt-*.index"))
+        return sorted((path[: -len(".index")] for path in found), key=_checkpoint_number, reverse=True)
+    if state is None:
+        return []
+    return list(reversed(state.all_model_checkpoint_paths or [state.model_checkpoint_path]))
+
+
+def _checkpoint_number(prefix: str) -> int:
+    match = re.search(r"-(\d+)$", prefix)
+    return int(match.group(1)) if match else -1
+
+
+def _remove_partial_save(directory: str, number: int) -> None:
+    """Deletes what a failed save of `ckpt-number` left (never a listed, complete checkpoint)."""
+    prefix = os.path.join(directory, f"ckpt-{number}")
+    if any(os.path.basename(p) == os.path.basename(prefix) for p in listed_checkpoints(directory)):
+        return
+    for path in glob.glob(glob.escape(prefix) + "[._]*"):
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else io.remove_quietly(path)
