@@ -566,3 +566,71 @@ def test_worker_killed_in_preflight_restore_or_eval_ends_the_job_in_bounded_time
     for key, value in uninterrupted_60.items():  # the same weights and slots as without the kills
         np.testing.assert_allclose(resumed[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
 
+
+# --- 13. a hung peer -----------------------------------------------------------------------------
+
+HEARTBEAT_TIMEOUT_S = 8
+LAUNCHER_GRACE_S = 2  # the launcher SIGKILLs the stopped worker this long after the other one ended
+# What detection may take beyond the timeout: TensorFlow's coordination service and tfscale's heartbeat both
+# check a few times per timeout, then the error path runs on a loaded 2-core host.
+HUNG_PEER_MARGIN_S = 12
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of the launcher's worker `rank` (Linux /proc: its children and their TFSCALE_LOCAL_RANK)."""
+    for task in os.listdir(f"/proc/{launcher_pid}/task"):
+        with open(f"/proc/{launcher_pid}/task/{task}/children") as f:
+            for pid in map(int, f.read().split()):
+                with open(f"/proc/{pid}/environ", "rb") as env:
+                    if f"TFSCALE_LOCAL_RANK={rank}".encode() in env.read().split(b"\0"):
+                        return pid
+    raise AssertionError(f"no worker {rank} under launcher {launcher_pid}")
+
+
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_a_hung_peer_ends_the_job_in_bounded_time_with_one_line_and_the_rerun_resumes(backend, tmp_path):
+    """SIGSTOP of worker 1 mid-training (a hung node, not a dead one): worker 0 ends within the heartbeat timeout
+    plus a margin, with exit code 69 and one line naming worker 1, the timeout and the last checkpoint; the
+    checkpoint reads back and the rerun resumes from it."""
+    if backend == "horovod":
+        pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1",
+               f"--backend={backend}", f"--grace_period_s={LAUNCHER_GRACE_S}", "--", "-m", "tfscale.train", *SMOKE,
+               f"--workdir={run}", "--config.train.epochs=5", "--config.checkpoint.every_epochs=0.5",
+               f"--config.distribute.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
+    log_path = tmp_path / "hung.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
+        stopped = None
+        try:
+            wait_for(lambda: latest_checkpoint_step(run) >= 10, proc, "the first checkpoint")
+            stopped = worker_pid(proc.pid, 1)
+            os.kill(stopped, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            code = proc.wait(timeout=HEARTBEAT_TIMEOUT_S + LAUNCHER_GRACE_S + 120)
+            elapsed_s = time.monotonic() - stopped_at
+        finally:
+            proc.kill()
+            if stopped is not None:
+                try:
+                    os.kill(stopped, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    output = log_path.read_text()
+    assert code == 69, output[-3000:]
+    print(f"{backend}: the job ended {elapsed_s:.1f} s after worker 1 stopped (exit {code})")
+    assert elapsed_s < HEARTBEAT_TIMEOUT_S + LAUNCHER_GRACE_S + HUNG_PEER_MARGIN_S, output[-3000:]
+    saved = latest_checkpoint_step(run)
+    said = [line for line in output.splitlines() if line.startswith("[rank 0]") and "stopped answering" in line]
+    assert len(said) == 1, output[-3000:]
+    assert (f"worker 1 stopped answering: no heartbeat for distribute.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S} s"
+            in said[0]), said
+    assert f"The last checkpoint is step {saved} " in said[0] and "rerun the same command to resume" in said[0]
+    assert said[0].endswith("(exit code 69)") and "Traceback" not in output
+    # The checkpoint it named is whole: the same command resumes from it and finishes.
+    rerun = subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert f"resumed from {run / layout.CHECKPOINTS / f'ckpt-{saved}'}" in rerun.stdout
+    assert summary(run)["steps"] == 100

@@ -189,8 +189,9 @@ def test_launcher_exits_69_and_says_why():
     assert elapsed_s < CONNECT_TIMEOUT_S + MARGIN_S, f"took {elapsed_s:.1f} s"
     assert "[rank 0] " in result.stderr and "no answer from: worker 1 at 127.0.0.1:" in result.stderr
     assert "tfscale.launch: rank 0 exited with code 69; stopping the other 1 worker(s)" in result.stderr
-    assert ("tfscale.launch: exit code 69: the cluster did not come up (EX_UNAVAILABLE); the workers' "
-            "'tfscale pre-flight:' lines above name the workers, ports or host names at fault") in result.stderr
+    assert ("tfscale.launch: exit code 69 (EX_UNAVAILABLE): a worker was not there. Either the cluster did not come "
+            "up (the workers' 'tfscale pre-flight:' lines above name the workers, ports or host names at fault)"
+            in result.stderr)
     print(f"launcher: exit {result.returncode} after {elapsed_s:.1f} s")
 
 

@@ -12,7 +12,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale.cluster import devices
+from tfscale.cluster import devices, heartbeat
 from tfscale.config import HOROVOD_INSTALL_HINT
 
 
@@ -100,4 +100,5 @@ def init_horovod(dist_cfg: ml_collections.ConfigDict, env: dict) -> tuple[Any, i
     if host_copies:
         logging.warning("horovod: %s", host_copies)
     preflight_horovod(hvd)
+    heartbeat.start(hvd, dist_cfg.heartbeat_timeout_s)
     return hvd, len(gpus)

@@ -129,7 +129,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribute.num_cpu_devices = 1  # mirrored on a CPU host: split the CPU into this many devices
     c.distribute.log_all_ranks = False  # True: every worker logs progress; default: other workers print their topology line, warnings, errors
     c.distribute.connect_timeout_s = 300.0  # all workers must answer within this, else a message and exit
-    c.distribute.heartbeat_timeout_s = 60.0  # mwms: a worker silent this long is dead; the rest fail
+    c.distribute.heartbeat_timeout_s = 60.0  # a worker silent this long (hung, unreachable) ends the job: exit 69, one line
     c.distribute.collective_timeout_s = 0.0  # abort any single all-reduce after this long (0: no limit)
     c.distribute.collective_impl = "AUTO"  # AUTO (NCCL where the worker has a GPU, else rings) | RING | NCCL
     c.distribute.device_prefetch_batches = 2  # batches per replica copied to the GPU ahead of the step (tf.distribute InputOptions)

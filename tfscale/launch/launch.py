@@ -238,8 +238,9 @@ def launch(
                     for rank in range(num_workers)]
             code = run_workers(argv, envs, grace_period_s, signals, out, err)
             if code == EXIT_CLUSTER_UNAVAILABLE:
-                say(f"exit code {code}: the cluster did not come up (EX_UNAVAILABLE); the workers' "
-                    "'tfscale pre-flight:' lines above name the workers, ports or host names at fault")
+                say(f"exit code {code} (EX_UNAVAILABLE): a worker was not there. Either the cluster did not come up "
+                    "(the workers' 'tfscale pre-flight:' lines above name the workers, ports or host names at fault) "
+                    "or a worker stopped answering mid-run (the line above names it and where to resume)")
             return code
         finally:
             if rendezvous:

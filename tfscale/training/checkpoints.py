@@ -156,6 +156,15 @@ def listed_checkpoints(directory: str) -> list[str]:
     return list(reversed(state.all_model_checkpoint_paths or [state.model_checkpoint_path]))
 
 
+def resume_hint(workdir: str) -> str:
+    """Where a rerun of the run in `workdir` resumes: its newest listed checkpoint, or the start."""
+    listed = listed_checkpoints(layout.checkpoints(workdir))
+    if not listed:
+        return f"No checkpoint was saved yet in {workdir}: a rerun starts from step 0."
+    return (f"The last checkpoint is step {_checkpoint_number(listed[0])} ({listed[0]}): rerun the same command "
+            "to resume from it.")
+
+
 def _checkpoint_number(prefix: str) -> int:
     match = re.search(r"-(\d+)$", prefix)
     return int(match.group(1)) if match else -1

@@ -26,9 +26,11 @@ import time
 
 import keras
 import ml_collections
+import tensorflow as tf
 from absl import logging
 
 from tfscale import io
+from tfscale.cluster import heartbeat
 from tfscale.data.input import assignment, faults, pipeline
 from tfscale.model import schedules
 from tfscale.training import callbacks as tfs_callbacks
@@ -47,6 +49,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
     locks = []
     try:
         cluster = engine.join(cfg)
+        heartbeat.describe_resume_with(lambda: checkpoints.resume_hint(workdir))  # said if a peer stops answering
         locks = _claim_workdir(cluster, workdir, cfg)  # before staging: a refused run copies nothing
         run = engine.with_data(cfg, cluster)
         with controller.stop_on_sigterm() as stop_requested, engine.precision_policy(cfg.precision):
@@ -172,6 +175,12 @@ def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> No
     except (errors.WorkdirBusy, errors.WriteError, errors.CheckpointError, errors.ChiefRefused) as err:
         logging.error("%s; exit code %d", err, errors.exit_code(err))  # the user's to act on: one line, no traceback
         sys.exit(errors.exit_code(err))
+    except tf.errors.UnavailableError as err:  # MWMS: TensorFlow's coordination service lost a worker
+        line = heartbeat.lost_peer_line(err, cfg.distribute.heartbeat_timeout_s)
+        if line is None:
+            raise
+        logging.error("%s (exit code %d)", line, errors.EXIT_CLUSTER_UNAVAILABLE)
+        sys.exit(errors.EXIT_CLUSTER_UNAVAILABLE)
 
 
 def run():
