@@ -26,6 +26,7 @@ import os
 import shlex
 import socket
 import sys
+import threading
 from typing import Sequence
 
 from absl import flags
@@ -154,26 +155,42 @@ def _child_env(base: dict[str, str], overrides: dict[str, str], backend: str) ->
 
 
 class _HorovodRendezvous:
-    """horovodrun's rendezvous HTTP server (gloo_run.launch_gloo), run inside the launcher.
+    """horovodrun's rendezvous HTTP server (gloo_run.launch_gloo), run inside the launcher, on loopback.
 
     `hvd.init()` in each worker fetches its peers from this key-value server; the plan tells the server
-    how many workers join each scope (global, local_<host>, cross_<local rank>).
+    how many workers join each scope (global, local_<host>, cross_<local rank>). Horovod's own
+    `RendezvousServer.start` binds every interface (horovod/runner/util/network.py `find_port`: address
+    ''); the workers here are all on this host, so the server binds 127.0.0.1 and nobody else can reach it.
     """
 
     def __init__(self, num_workers: int):
         try:
             from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-            from horovod.runner.http.http_server import RendezvousServer
+            from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
         except ImportError as err:
             raise LaunchError(f"{HOROVOD_MISSING} ({err})") from err
-        self._server = RendezvousServer(verbose=0)
-        # start() binds a free port itself and keeps it bound: no window for another process to take it.
-        self.port = int(self._server.start())
+        # Port 0: the kernel picks a free port and the server keeps it bound: no window for another process.
+        self._httpd = RendezvousHTTPServer((LOOPBACK, 0), RendezvousHandler, 0)
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="horovod-rendezvous", daemon=True)
+        self._thread.start()
         hosts = parse_hosts(f"{LOOPBACK}:{num_workers}")
-        self._server.init(get_host_assignments(hosts, num_workers))  # positional: names vary by version
+        self._httpd.init(get_host_assignments(hosts, num_workers))  # positional: names vary by version
 
     def stop(self) -> None:
-        self._server.stop()
+        self._httpd.shutdown()
+        self._thread.join()
+
+
+# What MWMS workers open, said once at start-up where someone else could reach it (docs/security.md).
+MWMS_REACHABLE = ("note: each MWMS worker's TensorFlow server listens on every interface of this host for the whole run "
+                  "(TensorFlow binds 0.0.0.0 and has no authentication: whoever reaches its port can run TensorFlow "
+                  "graphs as you); on a shared node, --backend=horovod keeps every port on loopback (docs/security.md)")
+
+
+def has_other_interfaces() -> bool:
+    """True when this host has a network interface besides loopback: someone else could reach its ports."""
+    return any(name != "lo" for _, name in socket.if_nameindex())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,6 +251,8 @@ def launch(
             endpoint = rendezvous.port if rendezvous else free_ports(num_workers)
             say(f"starting {num_workers} worker(s), backend {backend}, {threads} thread(s) each: "
                 f"{shlex.join([sys.executable, *argv])}")
+            if backend == "mwms" and has_other_interfaces():
+                say(MWMS_REACHABLE)
             envs = [_child_env(base_env, worker_env(rank, num_workers, endpoint, backend, threads), backend)
                     for rank in range(num_workers)]
             code = run_workers(argv, envs, grace_period_s, signals, out, err)
