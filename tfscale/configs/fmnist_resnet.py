@@ -11,8 +11,8 @@ manifest cross-check names a mismatch) and evaluates on `validation-*`, the 5,00
 images; `--config.data.eval_split=test` evaluates on the 10,000 test images. Batch 32 with the LR of
 0.2 per 256 images (0.025), gradual warmup over the first epoch, step decay /10 at epochs 4, 8 and 11
 of 12 (ImageNet's 30/60/80 of 90, rounded), pad-4 crop and flip augmentation. Measured here on the
-12,800-image subset: top-1 0.866 +- 0.001 over 3 seeds (without the warmup, as the LR-scaling study's
-baseline; docs/studies/lr_scaling.md), 1.5-2.5 minutes a run on 2 CPU cores.
+12,800-image subset: top-1 0.866 +- 0.001 over 3 seeds (without the warmup), 1.5-2.5 minutes a run on
+2 CPU cores.
 """
 
 from tfscale.config import base_config
