@@ -96,11 +96,9 @@ def start(hvd, timeout_s: float) -> None:
         connection = socket.create_connection(address, timeout=timeout_s)
         connection.sendall(f"{hvd.rank():<16d}".encode())
         peers[0] = connection
-    monitor = _Monitor(hvd.rank(), peers, timeout_s, interval_s)
+    monitor = Monitor(hvd.rank(), peers, timeout_s, interval_s)
     atexit.register(monitor.say_goodbye)
-    for rank in peers:
-        threading.Thread(target=monitor.watch, args=(rank,), name=f"tfscale-heartbeat-{rank}", daemon=True).start()
-    threading.Thread(target=monitor.beat, name="tfscale-heartbeat", daemon=True).start()
+    monitor.start()
     logging.info("heartbeat: %s every %.1f s; a peer silent for %g s ends the job (distribute.heartbeat_timeout_s)",
                  "rank 0 and every other rank" if hvd.rank() == 0 else "this rank and rank 0", interval_s, timeout_s)
 
@@ -120,14 +118,31 @@ def _read_rank(connection: socket.socket) -> int | None:
         return None
 
 
-class _Monitor:
-    """The connections of one rank's heartbeat: to every other rank (rank 0) or to rank 0 (the others)."""
+def _exit_with(line: str) -> None:
+    """Ends this process with `line` and exit code 69, whatever its main thread is waiting for."""
+    logging.error("%s (exit code %d)", line, errors.EXIT_CLUSTER_UNAVAILABLE)
+    for handler in std_logging.getLogger().handlers + logging.get_absl_logger().handlers:
+        handler.flush()
+    os._exit(errors.EXIT_CLUSTER_UNAVAILABLE)
 
-    def __init__(self, rank: int, peers: dict[int, socket.socket], timeout_s: float, interval_s: float):
-        self.rank, self.peers, self.timeout_s, self.interval_s = rank, peers, timeout_s, interval_s
+
+class Monitor:
+    """One rank's heartbeat connections: to every other rank (rank 0) or to rank 0 (the others).
+
+    `end(line)` is called once, from a heartbeat thread, when a peer stopped answering.
+    """
+
+    def __init__(self, rank: int, peers: dict[int, socket.socket], timeout_s: float, interval_s: float,
+                 end: Callable[[str], None] = _exit_with):
+        self.rank, self.peers, self.timeout_s, self.interval_s, self._end_with = rank, peers, timeout_s, interval_s, end
         self._lock = threading.Lock()
         self._finished: set[int] = set()  # peers that said goodbye
         self._leaving = False
+
+    def start(self) -> None:
+        for rank in self.peers:
+            threading.Thread(target=self.watch, args=(rank,), name=f"tfscale-heartbeat-{rank}", daemon=True).start()
+        threading.Thread(target=self.beat, name="tfscale-heartbeat", daemon=True).start()
 
     def beat(self) -> None:
         while not self._leaving:
@@ -157,18 +172,18 @@ class _Monitor:
                 return
 
     def _lost(self, rank: int) -> None:
+        if self._leaving:
+            return
         if self.rank == 0:
             self._send_all(_LOST + str(rank).encode() + b"\n")
         self._end(lost_peer_message(f"worker {rank}", self.timeout_s))
 
     def _end(self, line: str) -> None:
-        if self._leaving:
-            return
-        self._leaving = True
-        logging.error("%s (exit code %d)", line, errors.EXIT_CLUSTER_UNAVAILABLE)
-        for handler in std_logging.getLogger().handlers + logging.get_absl_logger().handlers:
-            handler.flush()
-        os._exit(errors.EXIT_CLUSTER_UNAVAILABLE)
+        with self._lock:
+            if self._leaving:
+                return
+            self._leaving = True
+        self._end_with(line)
 
     def _send_all(self, message: bytes) -> None:
         with self._lock:

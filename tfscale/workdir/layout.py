@@ -1,12 +1,12 @@
 """The files of a run's workdir, named once: everything that writes or reads one goes through here.
 
-    WORKDIR/config.json            the resolved config the run trains with (workdir.py)
-    WORKDIR/config_history.jsonl   the changes a resumed run accepted (workdir.py)
-    WORKDIR/lock.json              the live job that holds the workdir (workdir.py)
-    WORKDIR/metrics.jsonl          a row per logged step and per eval (callbacks.MetricsLogger)
+    WORKDIR/config.json            the resolved config the run trains with (guards.py)
+    WORKDIR/config_history.jsonl   the changes a resumed run accepted (guards.py)
+    WORKDIR/lock.json              the live job that holds the workdir (guards.py)
+    WORKDIR/metrics.jsonl          a row per logged step and per eval (training/callbacks.MetricsLogger)
     WORKDIR/tensorboard/           the same as TensorBoard scalars, and profiler traces
-    WORKDIR/checkpoints/           tf.train checkpoints, `ckpt-<step>` and their state file (checkpoints.py)
-    WORKDIR/summary.json           the finished run's figures (train.py; read by export and studies)
+    WORKDIR/checkpoints/           tf.train checkpoints, `ckpt-<step>` and their state file (training/checkpoints.py)
+    WORKDIR/summary.json           the finished run's figures (training/train.py; read by export and studies)
     WORKDIR/benchmark.json         a benchmark's figures (tfscale.perf.benchmark; read by sweeps and tfscale-plan)
     WORKDIR/export/                model.keras, the SavedModel, labels.txt, export.json (export.py's default)
 """
