@@ -70,3 +70,7 @@ def test_tensorflows_unhealthy_task_error_becomes_the_one_line():
                     "unreachable node, or a stopped process); the job ends. The last checkpoint is step 40 "
                     "(runs/x/checkpoints/ckpt-40): rerun.")
     assert heartbeat.lost_peer_line(tf.errors.UnavailableError(None, None, "Socket closed"), 60) is None
+    silent_service = ("Collective ops is aborted by: Deadline Exceeded\n\nRPC: /tensorflow.CoordinationService/Heartbeat\n"
+                      "The error could be from a previous operation. Restart your program to reset.")
+    assert heartbeat.lost_peer_line(tf.errors.DeadlineExceededError(None, None, silent_service), 60).startswith(
+        "worker 0 (it hosts TensorFlow's coordination service) stopped answering: no heartbeat for")

@@ -587,11 +587,12 @@ def worker_pid(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker {rank} under launcher {launcher_pid}")
 
 
-@pytest.mark.parametrize("backend", ["mwms", "horovod"])
-def test_a_hung_peer_ends_the_job_in_bounded_time_with_one_line_and_the_rerun_resumes(backend, tmp_path):
-    """SIGSTOP of worker 1 mid-training (a hung node, not a dead one): worker 0 ends within the heartbeat timeout
-    plus a margin, with exit code 69 and one line naming worker 1, the timeout and the last checkpoint; the
-    checkpoint reads back and the rerun resumes from it."""
+@pytest.mark.parametrize("backend, stopped", [("mwms", 1), ("horovod", 1), ("mwms", 0), ("horovod", 0)])
+def test_a_hung_peer_ends_the_job_in_bounded_time_with_one_line_and_the_rerun_resumes(backend, stopped, tmp_path):
+    """SIGSTOP of one worker mid-training (a hung node, not a dead one; worker 0 also hosts MWMS's coordination
+    service and writes the checkpoints): the other ends within the heartbeat timeout plus a margin, with exit
+    code 69 and one line naming the stopped worker, the timeout and the last checkpoint; the checkpoint reads
+    back and the rerun resumes from it."""
     if backend == "horovod":
         pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
     run = tmp_path / "run"
@@ -602,30 +603,31 @@ def test_a_hung_peer_ends_the_job_in_bounded_time_with_one_line_and_the_rerun_re
     log_path = tmp_path / "hung.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
-        stopped = None
+        stopped_pid = None
         try:
             wait_for(lambda: latest_checkpoint_step(run) >= 10, proc, "the first checkpoint")
-            stopped = worker_pid(proc.pid, 1)
-            os.kill(stopped, signal.SIGSTOP)
+            stopped_pid = worker_pid(proc.pid, stopped)
+            os.kill(stopped_pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
             code = proc.wait(timeout=HEARTBEAT_TIMEOUT_S + LAUNCHER_GRACE_S + 120)
             elapsed_s = time.monotonic() - stopped_at
         finally:
             proc.kill()
-            if stopped is not None:
+            if stopped_pid is not None:
                 try:
-                    os.kill(stopped, signal.SIGKILL)
+                    os.kill(stopped_pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
     output = log_path.read_text()
     assert code == 69, output[-3000:]
-    print(f"{backend}: the job ended {elapsed_s:.1f} s after worker 1 stopped (exit {code})")
+    print(f"{backend}: the job ended {elapsed_s:.1f} s after worker {stopped} stopped (exit {code})")
     assert elapsed_s < HEARTBEAT_TIMEOUT_S + LAUNCHER_GRACE_S + HUNG_PEER_MARGIN_S, output[-3000:]
     saved = latest_checkpoint_step(run)
-    said = [line for line in output.splitlines() if line.startswith("[rank 0]") and "stopped answering" in line]
+    survivor = 1 - stopped
+    said = [line for line in output.splitlines() if line.startswith(f"[rank {survivor}]") and "stopped answering" in line]
     assert len(said) == 1, output[-3000:]
-    assert (f"worker 1 stopped answering: no heartbeat for distribute.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S} s"
-            in said[0]), said
+    assert f"worker {stopped} " in said[0] and (
+        f"stopped answering: no heartbeat for distribute.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S} s" in said[0]), said
     assert f"The last checkpoint is step {saved} " in said[0] and "rerun the same command to resume" in said[0]
     assert said[0].endswith("(exit code 69)") and "Traceback" not in output
     # The checkpoint it named is whole: the same command resumes from it and finishes.

@@ -22,7 +22,7 @@ from conftest import REPO, classic_example, run_cli
 from tfscale import io as tfio
 from tfscale.config import base_config
 from tfscale.data.convert import convert, dali_index, shards
-from tfscale.data.input import pipeline, shard_dir
+from tfscale.data.input import pipeline
 from tfscale.data.stage import prepare, stage
 from tfscale.workdir import layout
 

@@ -10,6 +10,9 @@ Other tools:
     def run(argv=None):
         cli.run_tool(_job, define_flags=_define_flags, argv=argv)
 
+(`takes_arguments=True` for a tool with positional arguments, as the study runner.) A command that runs
+another command (`tfscale.launch [flags] -- <python args...>`) parses its own flags with `split_command`.
+
 No TensorFlow here: tools that must start fast (staging) use it too.
 """
 

@@ -4,8 +4,9 @@ A dead peer is noticed at once on every backend: its TCP connections reset and t
 A hung one (a node stalled in the kernel, a process stopped, a link dropped without a reset) keeps its
 connections open, and the others wait in their collective:
   * MWMS: TensorFlow's coordination service declares a task unhealthy after the heartbeat timeout that
-    `connect.py` sets, and aborts the collectives with an UnavailableError naming the task. `lost_peer_line`
-    turns that error into tfscale's one line.
+    `connect.py` sets, and aborts the collectives with an UnavailableError naming the task; when worker 0,
+    which hosts the service, hangs, the others' heartbeats to it time out (DeadlineExceededError).
+    `lost_peer_line` turns either error into tfscale's one line.
   * Horovod has no such service. Gloo's collectives give up after HOROVOD_GLOO_TIMEOUT_SECONDS, but Gloo
     takes the rendezvous timeout from the same variable (horovod/common/gloo/gloo_context.cc:
     `GetTimeoutFromEnv()` feeds both `Rendezvous` and every context's `setTimeout`), which must allow for
@@ -56,14 +57,21 @@ def lost_peer_message(who: str, timeout_s: float) -> str:
 _UNHEALTHY = re.compile(r"unhealthy \(stopped sending heartbeats\):\s*((?:/job:\S+\s*)+)")
 
 
+# The coordination service runs in worker 0: when that worker hangs, the others' heartbeats to it time out.
+_SERVICE_SILENT = re.compile(r"Deadline Exceeded\s+RPC: /tensorflow\.CoordinationService/Heartbeat")
+
+
 def lost_peer_line(err: BaseException, timeout_s: float) -> str | None:
-    """The one line for a collective TensorFlow aborted because a task stopped sending heartbeats, else None."""
-    found = _UNHEALTHY.search(str(getattr(err, "message", err)))
-    if not found:
-        return None
-    tasks = sorted({int(m) for m in re.findall(r"/task:(\d+)", found.group(1))})
-    who = " and ".join(f"worker {task}" for task in tasks) or "a worker"
-    return lost_peer_message(who, timeout_s)
+    """The one line for a collective TensorFlow aborted because a task stopped answering, else None: the
+    service names the tasks that stopped sending heartbeats, or worker 0, which hosts the service, is silent."""
+    message = str(getattr(err, "message", err))
+    found = _UNHEALTHY.search(message)
+    if found:
+        tasks = sorted({int(m) for m in re.findall(r"/task:(\d+)", found.group(1))})
+        return lost_peer_message(" and ".join(f"worker {task}" for task in tasks) or "a worker", timeout_s)
+    if _SERVICE_SILENT.search(message):
+        return lost_peer_message("worker 0 (it hosts TensorFlow's coordination service)", timeout_s)
+    return None
 
 
 # --- Horovod: tfscale's heartbeat -----------------------------------------------------------------------------------

@@ -175,7 +175,7 @@ def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> No
     except (errors.WorkdirBusy, errors.WriteError, errors.CheckpointError, errors.ChiefRefused) as err:
         logging.error("%s; exit code %d", err, errors.exit_code(err))  # the user's to act on: one line, no traceback
         sys.exit(errors.exit_code(err))
-    except tf.errors.UnavailableError as err:  # MWMS: TensorFlow's coordination service lost a worker
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as err:  # MWMS: a worker stopped answering
         line = heartbeat.lost_peer_line(err, cfg.distribute.heartbeat_timeout_s)
         if line is None:
             raise
