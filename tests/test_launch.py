@@ -423,24 +423,30 @@ def fake_horovod(monkeypatch) -> dict:
 
     calls = {}
 
-    class RendezvousServer:
-        def __init__(self, verbose=0):
-            calls["verbose"] = verbose
+    import threading
 
-        def start(self):
+    class RendezvousHTTPServer:
+        def __init__(self, address, handler, verbose):
+            calls["address"], calls["verbose"] = address, verbose
+            self.server_address = (address[0], 45678)
+            self._stopped = threading.Event()
+
+        def serve_forever(self):
             calls["started"] = True
-            return 45678
+            self._stopped.wait()
 
         def init(self, host_alloc_plan):
             calls["plan"] = host_alloc_plan
 
-        def stop(self):
+        def shutdown(self):
             calls["stopped"] = True
+            self._stopped.set()
 
     modules = {name: types.ModuleType(name) for name in (
         "horovod", "horovod.runner", "horovod.runner.common", "horovod.runner.common.util",
         "horovod.runner.common.util.hosts", "horovod.runner.http", "horovod.runner.http.http_server")}
-    modules["horovod.runner.http.http_server"].RendezvousServer = RendezvousServer
+    modules["horovod.runner.http.http_server"].RendezvousHTTPServer = RendezvousHTTPServer
+    modules["horovod.runner.http.http_server"].RendezvousHandler = object
     modules["horovod.runner.common.util.hosts"].parse_hosts = lambda hosts: ("parsed", hosts)
     modules["horovod.runner.common.util.hosts"].get_host_assignments = lambda hosts, num_proc: (hosts, num_proc)
     for name, module in modules.items():
@@ -461,6 +467,7 @@ def test_horovod_job_runs_a_rendezvous_server(monkeypatch, capsys):
     # One host, 127.0.0.1, with a slot per worker: the name must match HOROVOD_HOSTNAME's scope.
     assert calls["plan"] == (("parsed", "127.0.0.1:2"), 2)
     assert calls["stopped"]
+    assert calls["address"] == ("127.0.0.1", 0)  # loopback only: nobody on another host reaches it
 
 
 @pytest.mark.parametrize("backend", ["mwms", "horovod"])
