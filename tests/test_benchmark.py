@@ -180,13 +180,13 @@ def check_step_timeline(backend: str, workdir) -> None:
     with open(workdir / "step_timeline.json") as f:
         summary = json.load(f)
     assert summary["steps"] == 3 and 0 < summary["compute_busy"] <= summary["step"]
-    # Per step under MWMS: the gradients' all-reduce (in the optimizer's name scope), nothing else: the
+    # Per step under MWMS: the gradients' all-reduce (`Cluster.reduce_gradients`' name scope), nothing else: the
     # losses with the stop flag are summed and BatchNorm's statistics averaged once per loop, not per step.
-    assert set(summary["collectives"]) == {"sgd/CollectiveReduceV2"}
+    assert set(summary["collectives"]) == {"gradient_all_reduce/CollectiveReduceV2"}
     # At most one a step. Not exactly one: on a loaded 2-core host a step's all-reduce event has been seen
     # outside its step's event in the trace (0.67 calls a step over 3 steps), and step_timeline counts
     # only events wholly inside a step.
-    assert 0 < summary["collectives"]["sgd/CollectiveReduceV2"]["calls"] <= 1.0
+    assert 0 < summary["collectives"]["gradient_all_reduce/CollectiveReduceV2"]["calls"] <= 1.0
 
 
 @pytest.mark.slow

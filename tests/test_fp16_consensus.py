@@ -1,4 +1,5 @@
-"""float16 loss scaling skips a step on every replica or on none (`Cluster.agree_on_finite`).
+"""float16 loss scaling skips a step on every replica or on none: the step checks the gradients after
+their all-reduce (`Cluster.reduce_gradients`), with no collective of its own.
 
 Only one replica's gradients overflow while every loss stays finite: the model's logits pass a
 layer that is the identity forward and multiplies its gradient by a per-example factor read from
@@ -6,10 +7,11 @@ the input's last column (1.0, or inf on the poisoned replica's examples).
 
 The two-replica scenarios run in processes of their own, with this file as their driver (`python
 tests/test_fp16_consensus.py SCENARIO OUT.json`): `mirrored` must split the CPU into two devices
-before TensorFlow starts, `mwms` needs one process per worker; the tests read the drivers' JSON
-and check the numbers. The one-device tests at the end run in the test process.
+before TensorFlow starts, `mwms` and `horovod` need one process per worker; the tests read the
+drivers' JSON and check the numbers.
 """
 
+import copy
 import json
 import os
 import subprocess
@@ -70,7 +72,7 @@ def _gradient_scaled_model():
     return model
 
 
-def _build(cfg, cluster):
+def _build(cfg, cluster, reduced_gradients: bool):
     """The model and its optimizer (loss-scaled under float16), initialised alike on every call (seed 0)."""
     import keras
 
@@ -79,16 +81,18 @@ def _build(cfg, cluster):
     keras.utils.set_random_seed(0)
     with cluster.strategy.scope():
         model = _gradient_scaled_model()
-        optimizer = engine.build_optimizer(cfg, model)
+        optimizer = engine.build_optimizer(cfg, model, reduced_gradients=reduced_gradients)
     return model, optimizer
 
 
-def _batch(strategy, step: int, poisoned: bool):
-    """Per-replica (inputs, labels) of `step`; the poisoned replica's gradient factor is inf."""
+def _batch(strategy, step: int, poisoned: bool, first_replica: int):
+    """Per-replica (inputs, labels) of `step`; the poisoned replica's gradient factor is inf.
+    `first_replica`: the job-wide index of this process's first replica (a Horovod rank's strategy
+    numbers its one replica 0)."""
     import tensorflow as tf
 
     def replica_batch(context):
-        replica = context.replica_id_in_sync_group
+        replica = first_replica + context.replica_id_in_sync_group
         rng = np.random.default_rng([step, replica])
         inputs = rng.normal(size=[PER_REPLICA_BATCH, NUM_FEATURES + 1]).astype(np.float32)
         inputs[:, -1] = np.inf if poisoned and replica == POISONED_REPLICA else 1.0
@@ -101,13 +105,14 @@ def _batch(strategy, step: int, poisoned: bool):
 class _Trainer:
     """tfscale's own replica step (`engine.make_replica_step`) on the model, and what it leaves behind."""
 
-    def __init__(self, cfg, cluster):
+    def __init__(self, cfg, cluster, reduced_gradients: bool = True):
         import tensorflow as tf
 
         from tfscale.training import engine
 
         self.cluster = cluster
-        self.model, self.optimizer = _build(cfg, cluster)
+        self.first_replica = cluster.rank if cluster.backend == "horovod" else 0
+        self.model, self.optimizer = _build(cfg, cluster, reduced_gradients)
         replica_step = engine.make_replica_step(cfg, cluster, self.model, self.optimizer)
         variables = self.model.trainable_variables
 
@@ -124,8 +129,18 @@ class _Trainer:
         self._step, self._read = train_step, read_weights
 
     def step(self, step: int, poisoned: bool = False) -> dict:
-        loss, _ = self._step(*_batch(self.cluster.strategy, step, poisoned)).numpy()
+        loss, _ = self._step(*self._batch(step, poisoned)).numpy()
         return {"loss": float(loss), **self.state()}
+
+    def _batch(self, step: int, poisoned: bool):
+        return _batch(self.cluster.strategy, step, poisoned, self.first_replica)
+
+    def collectives_per_step(self) -> int:
+        """All-reduces in the traced step (the gradients' and the loss's), counted in its graph."""
+        graph = self._step.get_concrete_function(*self._batch(0, False)).graph.as_graph_def()
+        nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
+        return sum(node.op.startswith("CollectiveReduce") or node.op.startswith("HorovodAllreduce")
+                   or node.op.startswith("HorovodGroupedAllreduce") for node in nodes)
 
     def state(self) -> dict:
         per_variable = [self.cluster.strategy.experimental_local_results(w) for w in self._read()]
@@ -137,17 +152,18 @@ class _Trainer:
         }
 
 
-def _without_agreement(cluster):
-    """`cluster` with the pre-fix behaviour: each replica's gradients go to Keras as they are."""
+def _as_keras_sums(cluster):
+    """`cluster` and optimizer as Keras' `fit` has them: each replica hands its own gradients to the
+    optimizer, which checks them for inf/NaN before it sums them."""
     import dataclasses
 
     from tfscale.cluster.collectives import StrategyCollectives
 
-    class LocalFiniteCheck(StrategyCollectives):
-        def agree_on_finite(self, grads):
+    class KerasSums(StrategyCollectives):
+        def reduce_gradients(self, grads):
             return grads
 
-    return dataclasses.replace(cluster, _collectives=LocalFiniteCheck(cluster.strategy))
+    return dataclasses.replace(cluster, _collectives=KerasSums(cluster.strategy))
 
 
 def run_mirrored() -> dict:
@@ -160,24 +176,31 @@ def run_mirrored() -> dict:
     with engine.precision_policy(cfg.precision):
         fixed = _Trainer(cfg, cluster)
         fixed_run = [fixed.state(), fixed.step(0, poisoned=True), fixed.step(1)]
-        unfixed = _Trainer(cfg, _without_agreement(cluster))
+        keras_cfg = copy.deepcopy(cfg)
+        keras_cfg.optim.compiled_update = False  # Keras' own apply_gradients, as in fit
+        unfixed = _Trainer(keras_cfg, _as_keras_sums(cluster), reduced_gradients=False)
         unfixed_run = [unfixed.state(), unfixed.step(0, poisoned=True)]
         reference = _Trainer(cfg, cluster)  # step 1's batch alone, from the same initial weights
         reference_run = [reference.state(), reference.step(1)]
     return {"replicas": cluster.num_replicas, "fixed": fixed_run, "unfixed": unfixed_run, "reference": reference_run}
 
 
-def run_mwms() -> dict:
-    """One replica per worker: clean, poisoned (worker 1's gradients only), clean, clean."""
+def run_workers(backend: str) -> dict:
+    """One replica per worker: clean, poisoned (worker 1's gradients only), clean, clean; and the
+    collectives a float16 step and a float32 step run."""
     from tfscale.cluster import distribute
     from tfscale.training import engine
 
-    cfg = _config("mwms")
+    cfg = _config(backend)
     cluster = distribute.setup(cfg.distribute)
     with engine.precision_policy(cfg.precision):
         trainer = _Trainer(cfg, cluster)
         run = [trainer.state()] + [trainer.step(i, poisoned=(i == 1)) for i in range(4)]
-    return {"rank": cluster.rank, "replicas": cluster.num_replicas, "run": run}
+        collectives = {"mixed_float16": trainer.collectives_per_step()}
+    cfg.precision = "float32"
+    with engine.precision_policy(cfg.precision):
+        collectives["float32"] = _Trainer(cfg, cluster).collectives_per_step()
+    return {"rank": cluster.rank, "replicas": cluster.num_replicas, "run": run, "collectives": collectives}
 
 
 # --- the tests ---------------------------------------------------------------------------------------
@@ -214,13 +237,13 @@ def test_mirrored_replicas_skip_together_when_one_overflows(tmp_path):
     assert result["replicas"] == 2
     init, skipped, clean = result["fixed"]
 
-    # Without agreement replica 0's clean check decides for both: replica 1's inf is summed in.
+    # Checked before the sum (Keras' fit), replica 0's clean check decides for both: replica 1's inf is summed in.
     unfixed = result["unfixed"][1]
     assert np.isfinite(unfixed["loss"])  # only the gradients overflowed
     assert unfixed["iterations"] == 1 and unfixed["scale"] == INITIAL_SCALE
     assert all(np.isnan(w).any() for w in unfixed["weights"])
 
-    # With it, both replicas skip: no weight moves, the scale halves once, the step is not counted.
+    # Checked after it, both replicas skip: no weight moves, the scale halves once, the step is not counted.
     assert np.isfinite(skipped["loss"])
     assert skipped["iterations"] == 0 and skipped["scale"] == INITIAL_SCALE / 2
     for replica_weights in skipped["weights"]:
@@ -239,15 +262,26 @@ def test_mirrored_replicas_skip_together_when_one_overflows(tmp_path):
     np.testing.assert_allclose(clean["weights"][0], reference["weights"][0], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.slow
-def test_mwms_workers_skip_together_when_one_overflows(tmp_path):
-    ports = launch.free_ports(2)
+def start_workers(backend, tmp_path):
+    """The driver as two workers of `backend`; returns their JSON results, rank 0's first."""
     outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
-    procs = [start_driver("mwms", outs[rank], logs[rank], **launch.worker_env(rank, 2, ports, "mwms", 1))
-             for rank in range(2)]
-    finish(procs, logs)  # both exit: neither waits in an all-reduce the other skipped
-    runs = [json.loads(out.read_text()) for out in outs]
+    rendezvous = launch._HorovodRendezvous(2) if backend == "horovod" else None
+    address = rendezvous.port if rendezvous else launch.free_ports(2)
+    try:
+        procs = [start_driver(backend, outs[rank], logs[rank], **launch.worker_env(rank, 2, address, backend, 1))
+                 for rank in range(2)]
+        finish(procs, logs)  # both exit: neither waits in an all-reduce the other skipped
+    finally:
+        if rendezvous:
+            rendezvous.stop()
+    return [json.loads(out.read_text()) for out in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_workers_skip_together_when_one_overflows(tmp_path, backend):
+    runs = start_workers(backend, tmp_path)
     assert [r["rank"] for r in runs] == [0, 1] and runs[0]["replicas"] == 2
     run0, run1 = runs[0]["run"], runs[1]["run"]
 
@@ -263,63 +297,14 @@ def test_mwms_workers_skip_together_when_one_overflows(tmp_path):
         assert_finite(state["weights"][0])
     assert first["weights"] != init["weights"] and third["weights"] != second["weights"] != first["weights"]
 
-
-# --- one device, in this process -----------------------------------------------------------------------
-
-
-def test_agreement_keeps_finite_gradients_bit_identical_and_poisons_all_otherwise():
-    import tensorflow as tf
-
-    from tfscale.cluster.collectives import StrategyCollectives
-
-    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
-    collectives = StrategyCollectives(strategy)
-
-    def agreed(grads):
-        return strategy.run(lambda: collectives.agree_on_finite(grads))
-
-    small = tf.constant([-0.0, 1e-45, -3.5, 65504.0])  # signed zero and a denormal survive too
-    half = tf.constant([[1.5, -0.0]], tf.float16)
-    out_small, none, out_half = agreed([small, None, half])
-    assert none is None
-    assert np.array_equal(out_small.numpy().view(np.uint32), small.numpy().view(np.uint32))
-    assert np.array_equal(out_half.numpy().view(np.uint16), half.numpy().view(np.uint16))
-    assert out_half.dtype == tf.float16
-
-    out_small, none, out_half = agreed([small, None, tf.constant([[np.inf, 1.0]], tf.float16)])
-    assert none is None and np.isnan(out_small.numpy()).all() and np.isnan(out_half.numpy()).all()
-
-
-@pytest.mark.parametrize("precision, agreements", [("float32", 0), ("mixed_float16", 1)])
-def test_only_loss_scaled_steps_agree_on_finite(precision, agreements):
-    """float32 steps take no extra collective; a float16 step agrees once and updates as before."""
-    import dataclasses
-
-    from tfscale.cluster import distribute
-    from tfscale.cluster.collectives import StrategyCollectives
-    from tfscale.training import engine
-
-    traced = []
-
-    class Recording(StrategyCollectives):
-        def agree_on_finite(self, grads):
-            traced.append(len(grads))
-            return super().agree_on_finite(grads)
-
-    cfg = _config("one_device")
-    cfg.precision = precision
-    cfg.data.global_batch_size = PER_REPLICA_BATCH
-    cluster = distribute.setup(cfg.distribute)
-    cluster = dataclasses.replace(cluster, _collectives=Recording(cluster.strategy))
-    with engine.precision_policy(precision):
-        trainer = _Trainer(cfg, cluster)
-        before, after = trainer.state(), trainer.step(0)
-    assert traced == [2] * agreements  # once per traced step: the kernel and the bias
-    assert after["iterations"] == 1 and after["weights"] != before["weights"]
-    assert_finite(after["weights"][0])
+    # The decision takes no collective of its own: a float16 step runs the float32 step's all-reduces
+    # (the gradients' and the loss's).
+    for run in runs:
+        assert run["collectives"]["mixed_float16"] == run["collectives"]["float32"] >= 2
 
 
 if __name__ == "__main__":
-    SCENARIOS = {"mirrored": run_mirrored, "mwms": run_mwms}
+    SCENARIOS = {"mirrored": run_mirrored, "mwms": lambda: run_workers("mwms"),
+                 "horovod": lambda: run_workers("horovod")}
     with open(sys.argv[2], "w") as f:
         json.dump(SCENARIOS[sys.argv[1]](), f)

@@ -352,7 +352,7 @@ def test_l2_loss_gradient_is_weight_decay_times_w():
 # ----------------------------------------------------------------------------- factory and config
 def test_make_optimizer_sgd():
     opt = optim.make_optimizer(_cfg("sgd", nesterov=True), 0.2)
-    assert type(opt) is keras.optimizers.SGD
+    assert isinstance(opt, keras.optimizers.SGD)  # applying gradients the step has reduced (optim.applying_reduced_gradients)
     assert opt.momentum == 0.9 and opt.nesterov is True and opt.weight_decay is None
     np.testing.assert_allclose(float(opt.learning_rate), 0.2)
 

@@ -149,7 +149,7 @@ def test_four_micro_batches_of_8_equal_one_batch_of_32():
 
 
 class CountingReductions:
-    """The cluster, counting on device how often the gradients are reduced (Horovod's all-reduce)."""
+    """The cluster, counting on device how often the gradients are reduced."""
 
     def __init__(self, cluster):
         self.cluster = cluster
@@ -159,9 +159,9 @@ class CountingReductions:
     def __getattr__(self, name):
         return getattr(self.cluster, name)
 
-    def gradients_for_apply(self, grads):
+    def reduce_gradients(self, grads):
         self.reductions.assign_add(1)
-        return self.cluster.gradients_for_apply(grads)
+        return self.cluster.reduce_gradients(grads)
 
 
 def test_accumulation_reduces_gradients_once_per_update():

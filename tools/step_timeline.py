@@ -9,7 +9,7 @@ step (an execution of the tf.function named `--step_event`: the benchmark's `bat
 run's `train_loop`): its wall time, the time TensorFlow's compute threads were busy (the union of their
 op executions), the rest (those threads idle: waiting on a collective or on the host), and each
 collective op by name (MultiWorkerMirroredStrategy's CollectiveReduceV2; the gradients' all-reduce
-runs under the optimizer's name scope, e.g. `sgd/`). Horovod runs its collectives on a thread of its
+runs under the name scope `gradient_all_reduce/`). Horovod runs its collectives on a thread of its
 own that the trace does not show; its timeline does: per tensor group, NEGOTIATE_ALLREDUCE (from this
 rank submitting it to every rank having submitted it: the wait for the slowest rank) and ALLREDUCE
 (the transfer itself). docs/benchmarking.md reads both for 1 vs 2 loopback workers.

@@ -24,8 +24,8 @@ def main(out_path: str) -> None:
     hvd.init()
     rank = hvd.rank()
     grads = [tf.constant([40000.0, 40000.0 - 32 * rank]), tf.constant([1e-3 * (rank + 1)])]
-    fp16 = collectives.HorovodCollectives(hvd, None, fp16_allreduce=True).gradients_for_apply(grads)
-    float32 = collectives.HorovodCollectives(hvd, None).gradients_for_apply(grads)
+    fp16 = collectives.HorovodCollectives(hvd, None, fp16_allreduce=True).reduce_gradients(grads)
+    float32 = collectives.HorovodCollectives(hvd, None).reduce_gradients(grads)
     horovod_average = hvd.grouped_allreduce(grads, op=hvd.Average, compression=hvd.Compression.fp16)
     if rank == 0:
         as_lists = lambda tensors: [t.numpy().astype(float).tolist() for t in tensors]  # noqa: E731

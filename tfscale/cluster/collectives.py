@@ -76,13 +76,7 @@ class Collectives(abc.ABC):
     averages_gradients: bool  # the gradient reduction averages (True) or sums (False) the replicas'
 
     @abc.abstractmethod
-    def gradients_for_apply(self, grads: list[tf.Tensor]) -> list[tf.Tensor]: ...
-
-    @abc.abstractmethod
-    def standalone_gradient_all_reduce(self, grads: list[tf.Tensor]) -> list[tf.Tensor]: ...
-
-    @abc.abstractmethod
-    def agree_on_finite(self, grads: list[tf.Tensor]) -> list[tf.Tensor]: ...
+    def reduce_gradients(self, grads: list[tf.Tensor | None]) -> list[tf.Tensor | None]: ...
 
     @abc.abstractmethod
     def mean_over_replicas(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -124,24 +118,15 @@ class StrategyCollectives(Collectives):
         # same functions in the same order, so they agree on the keys.
         self._household_instance_keys = itertools.count(_HOUSEHOLD_INSTANCE_KEY)
 
-    def gradients_for_apply(self, grads):
-        return grads  # Keras' apply_gradients sums them across replicas
-
-    def standalone_gradient_all_reduce(self, grads):
-        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
-
-    def agree_on_finite(self, grads):
-        # Keras' LossScaleOptimizer checks each replica's own gradients before its all-reduce (MWMS:
-        # every replica decides alone; mirrored: replica 0 decides for all). Summing the replicas'
-        # non-finite flags makes one decision; poisoning every replica's gradients when any replica
-        # overflowed makes each local check give that decision, so all skip and halve the scale together.
+    def reduce_gradients(self, grads):
+        if self.strategy.num_replicas_in_sync == 1:
+            return list(grads)  # nothing to sum; the strategy's all-reduce would add an identity per gradient
+        # The strategy's all-reduce with its communication options (MWMS: packs of distribute.pack_bytes,
+        # NCCL or rings), the one Keras' apply_gradients would run (TFOptimizer._all_reduce_sum_gradients).
         present = [g for g in grads if g is not None]
-        locally_finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in present])
-        non_finite = tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(locally_finite), tf.float32))
-        all_finite = tf.equal(non_finite, 0.0)
-        # Selecting (not adding 0) keeps finite gradients bit-identical, the sign of zero included.
-        return [g if g is None else tf.where(all_finite, g, tf.constant(float("nan"), g.dtype)) for g in grads]
+        summed = iter(tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, present)
+                      if present else [])
+        return [None if g is None else next(summed) for g in grads]
 
     def mean_over_replicas(self, values):
         return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, values)
@@ -206,20 +191,13 @@ class HorovodCollectives(Collectives):
         self.fp16_allreduce = fp16_allreduce  # gradients travel as float16
         self.input_options = device_input_options(device_prefetch_batches)
 
-    def gradients_for_apply(self, grads):
+    def reduce_gradients(self, grads):
         if not self.fp16_allreduce:
             return self.hvd.grouped_allreduce(grads, op=self.hvd.Average)
         # hvd.Average divides after summing: N loss-scaled float16 gradients would overflow N times
         # sooner (float16 ends at 65504). Each rank scales its share by 1/N first, then they are summed.
         return self.hvd.grouped_allreduce(grads, op=self.hvd.Sum, prescale_factor=1.0 / self.hvd.size(),
                                           compression=self.hvd.Compression.fp16)
-
-    def standalone_gradient_all_reduce(self, grads):
-        return self.gradients_for_apply(grads)
-
-    def agree_on_finite(self, grads):
-        # `grads` are already the ranks' average (`gradients_for_apply`): every rank checks the same values.
-        return grads
 
     def mean_over_replicas(self, values):
         return self.hvd.grouped_allreduce(values, op=self.hvd.Average)

@@ -81,30 +81,16 @@ class Cluster:
         """
         return global_batch_size // self.size if self._collectives.averages_gradients else global_batch_size
 
-    def gradients_for_apply(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        """What to hand to `optimizer.apply_gradients` (call inside a replica step).
+    def reduce_gradients(self, grads: list[tf.Tensor | None]) -> list[tf.Tensor | None]:
+        """The step's one gradient all-reduce (call inside a replica step): tf.distribute sums the replicas'
+        gradients, Horovod averages the ranks' (`loss_batch_size` makes either the global-batch mean).
 
-        Horovod: the ranks' average. tf.distribute: `grads` unchanged (Keras' `apply_gradients` sums
-        them across replicas itself).
+        Every replica gets the same values back, so what is decided on them afterwards (float16 loss
+        scaling's skip of a step with inf/NaN, clipping by global norm) is decided alike everywhere,
+        without a collective of its own. The optimizer applies them as they are (`optim.make_optimizer`).
         """
-        return self._collectives.gradients_for_apply(grads)
-
-    def standalone_gradient_all_reduce(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        """The cross-replica gradient reduction of a training step, as an op of its own (inside a replica step).
-
-        tf.distribute: the replica-context SUM that Keras' `apply_gradients` performs; Horovod: the
-        same average as `gradients_for_apply`. The benchmark times it alone.
-        """
-        return self._collectives.standalone_gradient_all_reduce(grads)
-
-    def agree_on_finite(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        """`grads`, made non-finite on every replica when any replica's are (call inside a replica step).
-
-        For float16 loss scaling: Keras checks gradients for inf/NaN replica by replica, so without
-        this one worker could skip a step while another applies it (and waits in its all-reduce).
-        tf.distribute: one extra scalar all-reduce; Horovod: `grads` unchanged (already averaged).
-        """
-        return self._collectives.agree_on_finite(grads)
+        with tf.name_scope("gradient_all_reduce"):  # the name profiles and step_timeline show
+            return self._collectives.reduce_gradients(grads)
 
     def average_replica_state(self, variables) -> None:
         """Averages non-trainable model state (BatchNorm moving statistics) over all replicas.

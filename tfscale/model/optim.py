@@ -183,12 +183,14 @@ def _check_name(optim_cfg) -> str:
     return name
 
 
-def make_optimizer(optim_cfg, learning_rate: float) -> keras.optimizers.Optimizer:
+def make_optimizer(optim_cfg, learning_rate: float, *, reduced_gradients: bool = True) -> keras.optimizers.Optimizer:
     """Build the optimizer named by ``optim_cfg.name`` with a settable float learning rate.
 
     The learning rate is a plain float (stored by Keras in a variable) rather than a schedule so a
     callback can set ``optimizer.learning_rate = x`` every batch. ``sgd`` carries no weight decay:
-    the loop adds `l2_loss` with coefficient `loss_weight_decay` instead.
+    the loop adds `l2_loss` with coefficient `loss_weight_decay` instead. `reduced_gradients`: the
+    caller hands over gradients already reduced over replicas (tfscale's step: `Cluster.reduce_gradients`);
+    False for Keras' `fit`, whose replicas hand over their own.
     """
     name = _check_name(optim_cfg)
     learning_rate = float(learning_rate)  # Keras rejects ints and numpy scalars
@@ -210,22 +212,53 @@ def make_optimizer(optim_cfg, learning_rate: float) -> keras.optimizers.Optimize
             nesterov=bool(optim_cfg.nesterov),
             **ema,
         )
+    if reduced_gradients:
+        optimizer = applying_reduced_gradients(optimizer)
     clip_norm = float(optim_cfg.get("clip_global_norm", 0.0))
     return clipping_global_norm(optimizer, clip_norm) if clip_norm else optimizer
+
+
+def _subclassed(optimizer: keras.optimizers.Optimizer, prefix: str, methods: dict) -> keras.optimizers.Optimizer:
+    """A copy of `optimizer` (its config) whose class is its own with `methods` overridden."""
+    base = type(optimizer)
+    if not callable(getattr(base, "_all_reduce_sum_gradients", None)):
+        raise RuntimeError(
+            f"tfscale's {prefix} optimizer needs Keras' TensorFlow optimizer hook _all_reduce_sum_gradients "
+            f"(Keras 3.15), which Keras {keras.__version__} lacks")
+    subclass = type(f"{prefix}{base.__name__}", (base,), methods)
+    return subclass.from_config(optimizer.get_config())
+
+
+def applying_reduced_gradients(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """The same optimizer, applying the gradients it is given as they are: they arrive already summed
+    over the replicas (`Cluster.reduce_gradients`), so Keras must not sum them again.
+
+    Keras' TensorFlow optimizer sums the replicas' gradients inside ``apply_gradients`` when it finds a
+    replica context (``TFOptimizer._all_reduce_sum_gradients``, called from ``_backend_update_step``:
+    Keras 3.15.1, keras/src/backend/tensorflow/optimizer.py lines 113-124 and 141-178). tfscale runs that
+    all-reduce itself, before the update, so that float16 loss scaling checks the summed gradients: one
+    replica's overflow is in every replica's sum, and all skip the step together with no collective of
+    their own (``LossScaleOptimizer.check_finite`` runs before the inner update:
+    keras/src/optimizers/loss_scale_optimizer.py lines 246-253, 262-274).
+    """
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        return list(grads_and_vars)
+
+    return _subclassed(optimizer, "Reduced", {"_all_reduce_sum_gradients": _all_reduce_sum_gradients,
+                                              "applies_reduced_gradients": True})
 
 
 def clipping_global_norm(optimizer: keras.optimizers.Optimizer, clip_norm: float) -> keras.optimizers.Optimizer:
     """The same optimizer, the gradients of every update clipped to global L2 norm `clip_norm`
     (``tf.clip_by_global_norm``) AFTER they are summed over all replicas and workers.
 
-    Where the gradients are averaged: under tf.distribute (one_device, mirrored, mwms) Keras sums the
-    replicas' gradients inside ``apply_gradients``, in ``TFOptimizer._all_reduce_sum_gradients``, which
-    ``_backend_update_step`` calls right before the update (Keras 3.15.1,
-    keras/src/backend/tensorflow/optimizer.py lines 113-124 and 141). Under Horovod the gradients come in
-    already averaged over ranks (``Cluster.gradients_for_apply``) and that sum runs over one replica; in
-    local SGD's steps (applied outside ``strategy.run``) it sums nothing: each worker's own gradient, or its
-    household's mean, is clipped. Clipping after that sum is clipping the global batch's gradient on every
-    backend. Keras' own ``global_clipnorm`` is not used: it clips in ``_clip_gradients`` before
+    Where the gradients are summed: ``TFOptimizer._all_reduce_sum_gradients``, which ``_backend_update_step``
+    calls right before the update (Keras 3.15.1, keras/src/backend/tensorflow/optimizer.py lines 113-124 and
+    141), is where Keras' `fit` sums the replicas' gradients; tfscale's step hands them over already
+    reduced over every replica and rank (`applying_reduced_gradients`); in local SGD's steps (applied
+    outside ``strategy.run``) each worker's own gradient, or its household's mean, is clipped. Clipping
+    after that hook is clipping the global batch's gradient on every backend. Keras' own ``global_clipnorm`` is not used: it clips in ``_clip_gradients`` before
     ``_backend_update_step`` (keras/src/optimizers/base_optimizer.py line 588), i.e. each replica's share.
     Under a ``LossScaleOptimizer`` this optimizer is the inner one, which receives unscaled gradients, and a
     step skipped for non-finite gradients never reaches it.
@@ -233,28 +266,23 @@ def clipping_global_norm(optimizer: keras.optimizers.Optimizer, clip_norm: float
     `grad_norm(optimizer)` reads the global norm of the last update's gradients before clipping.
     """
     base = type(optimizer)
-    if not callable(getattr(base, "_all_reduce_sum_gradients", None)):
-        raise RuntimeError(
-            f"optim.clip_global_norm={clip_norm} needs Keras' TensorFlow optimizer hook _all_reduce_sum_gradients "
-            f"(Keras 3.15), which Keras {keras.__version__} lacks: tfscale cannot clip the all-reduced gradients here")
     # Not an attribute of the optimizer, so checkpoints do not track it. ON_READ + ONLY_FIRST_REPLICA: each
     # replica writes its own copy (no merge_call in the step; all copies are equal), a read takes the first.
     norm_before_clip = tf.Variable(0.0, trainable=False, name="grad_norm", dtype=tf.float32,
                                    synchronization=tf.VariableSynchronization.ON_READ,
                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
-    class GlobalNormClipping(base):
-        def _all_reduce_sum_gradients(self, grads_and_vars):
-            grads, variables = zip(*super()._all_reduce_sum_gradients(grads_and_vars))
-            clipped, norm = tf.clip_by_global_norm(list(grads), clip_norm)
-            norm_before_clip.assign(tf.cast(norm, tf.float32))
-            return list(zip(clipped, variables))
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        grads, variables = zip(*base._all_reduce_sum_gradients(self, grads_and_vars))
+        clipped, norm = tf.clip_by_global_norm(list(grads), clip_norm)
+        norm_before_clip.assign(tf.cast(norm, tf.float32))
+        return list(zip(clipped, variables))
 
-        def grad_norm_variable(self) -> tf.Variable:
-            return norm_before_clip
+    def grad_norm_variable(self) -> tf.Variable:
+        return norm_before_clip
 
-    GlobalNormClipping.__name__ = GlobalNormClipping.__qualname__ = f"GlobalNormClipping{base.__name__}"
-    clipping = GlobalNormClipping.from_config(optimizer.get_config())
+    clipping = _subclassed(optimizer, "GlobalNormClipping", {"_all_reduce_sum_gradients": _all_reduce_sum_gradients,
+                                                             "grad_norm_variable": grad_norm_variable})
     clipping.clip_global_norm = clip_norm
     return clipping
 
@@ -306,7 +334,7 @@ def averaging_optimizer(optimizer: keras.optimizers.Optimizer, cluster) -> keras
     class Averaging(base):
         def apply_gradients(self, grads_and_vars):
             grads, variables = zip(*grads_and_vars)
-            return super().apply_gradients(zip(cluster.gradients_for_apply(list(grads)), variables))
+            return super().apply_gradients(zip(cluster.reduce_gradients(list(grads)), variables))
 
     Averaging.__name__ = Averaging.__qualname__ = f"Averaging{base.__name__}"
     return Averaging.from_config(optimizer.get_config())

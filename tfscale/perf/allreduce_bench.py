@@ -6,7 +6,7 @@
 The question it answers on a new cluster: is the interconnect the problem? Every worker all-reduces
 float32 tensors of `allreduce_min_bytes` .. `allreduce_max_bytes` (times `allreduce_factor` each
 step), then the configured model's own gradient list as one training step sends it, through the
-very call the step makes (`Cluster.standalone_gradient_all_reduce`: MWMS with its communication
+very call the step makes (`Cluster.reduce_gradients`: MWMS with its communication
 options, Horovod with its fusion settings). Figures, as nccl-tests defines them
 (NVIDIA/nccl-tests doc/PERFORMANCE.md): for S bytes per replica in t seconds over n replicas,
 
@@ -71,7 +71,7 @@ def make_allreduce(cluster, variables):
     def replica_fn():
         # A Keras variable is read through the tf.Variable it wraps (`.value`), as the step reads gradients.
         values = [tf.identity(v.value if isinstance(v, keras.Variable) else v) for v in variables]
-        reduced = cluster.standalone_gradient_all_reduce(values)
+        reduced = cluster.reduce_gradients(values)
         return tf.add_n([tf.reshape(r, [-1])[0] for r in reduced])  # keeps every result alive, at no cost
 
     @tf.function

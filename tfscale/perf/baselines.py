@@ -325,7 +325,7 @@ def _keras_fit_model(cfg: ml_collections.ConfigDict) -> keras.Model:
         per_example = engine.cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
         return tf.reduce_mean(per_example) + (optim.l2_loss(model.trainable_variables, weight_decay) if weight_decay else 0.0)
 
-    model.compile(optimizer=engine.build_optimizer(cfg, model), loss=loss, jit_compile=cfg.jit_compile)
+    model.compile(optimizer=engine.build_optimizer(cfg, model, reduced_gradients=False), loss=loss, jit_compile=cfg.jit_compile)
     return model
 
 

@@ -39,6 +39,7 @@ from tfscale.data.input import loaders
 from tfscale.data.stage import prepare
 from tfscale.launch import launcher_death
 from tfscale.model import models, optim, stats
+from tfscale.model import update as compiled_update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +121,13 @@ def build_model(cfg: ml_collections.ConfigDict) -> keras.Model:
     return models.create_from_config(cfg)
 
 
-def build_optimizer(cfg: ml_collections.ConfigDict, model: keras.Model) -> keras.optimizers.Optimizer:
-    """The configured optimizer, loss-scaled under float16, built so checkpoints restore into it."""
-    optimizer = optim.make_optimizer(cfg.optim, learning_rate=cfg.optim.lr)
+def build_optimizer(cfg: ml_collections.ConfigDict, model: keras.Model, *,
+                    reduced_gradients: bool = True) -> keras.optimizers.Optimizer:
+    """The configured optimizer, loss-scaled under float16, built so checkpoints restore into it.
+
+    It applies gradients already reduced over the replicas (tfscale's step); `reduced_gradients=False`
+    for Keras' `fit`, which hands over each replica's own and lets the optimizer sum them."""
+    optimizer = optim.make_optimizer(cfg.optim, learning_rate=cfg.optim.lr, reduced_gradients=reduced_gradients)
     if cfg.precision == "mixed_float16":
         # float16 gradients underflow without it; bfloat16 has float32's range and needs none.
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
@@ -224,20 +229,28 @@ def make_replica_step(cfg, cluster, model, optimizer):
     """`replica_step(images, labels, stop_requested) -> [loss, stop flag]`: one replica's part of a step,
     returning this replica's shares of the two (a loop sums them over the job after its last step)."""
     loss_and_grads = make_loss_and_grads(cfg, cluster, model, optimizer)
+    apply_update = make_update(cfg, model, optimizer)
 
     def replica_step(images, labels, stop_requested):
         loss_share, grads = loss_and_grads(images, labels)
         # The stop flag travels with the loss: if any worker got SIGTERM, every worker learns it at
         # the same loop end and they checkpoint together (saving is a collective).
         step_sums = tf.stack([loss_share, stop_requested])
-        grads = cluster.gradients_for_apply(grads)
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            # Keras decides to skip a float16 step per replica, before the all-reduce: all must agree.
-            grads = cluster.agree_on_finite(grads)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        # Reduced before the update, so that a float16 step's inf/NaN check sees every replica's
+        # overflow in its sum: all skip together, with no collective of their own.
+        apply_update(cluster.reduce_gradients(grads))
         return step_sums
 
     return replica_step
+
+
+def make_update(cfg, model, optimizer):
+    """`update(reduced_grads)` inside a replica step: the update compiled (`optim.compiled_update`,
+    tfscale.model.update) or Keras' `apply_gradients`."""
+    variables = model.trainable_variables
+    if cfg.optim.compiled_update:
+        return compiled_update.make_update(optimizer, variables)
+    return lambda grads: optimizer.apply_gradients(zip(grads, variables))
 
 
 def run_replica_step(cluster, replica_step, images, labels, stop_requested):
