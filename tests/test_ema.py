@@ -193,7 +193,7 @@ def test_eval_of_the_checkpoint_with_ema_swapped_in_matches_the_summary(runs):
         newest_checkpoint(workdir)).assert_existing_objects_matched().expect_partial()
     eval_step = engine.make_eval_step(cfg, run.cluster, model)
     with ema.swapped_in(model, optimizer):
-        results = engine.evaluate(eval_step, engine.eval_dataset(run), run.steps.eval_steps)
+        results = engine.evaluate(eval_step, iter(engine.eval_dataset(run)), run.steps.eval_steps)
     assert results["eval_top1"] == summary["eval_top1_ema"] and results["eval_loss"] == summary["eval_loss_ema"]
 
 

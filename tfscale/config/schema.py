@@ -120,6 +120,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_epochs = 1.0  # save this often (and at the end)
     c.checkpoint.max_to_keep = 3  # older checkpoints are deleted
+    c.checkpoint.async_save = True  # training goes on while a checkpoint is written (from a host copy of the state)
 
     c.resume = ml_collections.ConfigDict()
     c.resume.allow_config_changes = False  # True: resume even when result-changing keys differ from config.json (recorded in config_history.jsonl)

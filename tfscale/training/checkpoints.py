@@ -10,12 +10,18 @@ Where each worker writes: the chief to `workdir/checkpoints`. Under tf.distribut
 a collective, so the other workers must save at the same moment, into a scratch directory that is
 discarded at the end. A Horovod rank saves (or not) on its own: only the chief does.
 
+Saving is asynchronous by default (`checkpoint.async_save`): TensorFlow copies the state to host memory,
+the step goes on, and a thread writes the files (`tf.train.CheckpointOptions(enable_async=True)`). A save
+waits for the previous write to end first, and the run's last save (at its end, on preemption) waits for
+its own: a run never exits with a checkpoint half written.
+
 What a fault leaves: TensorFlow writes a checkpoint's files first and lists it in the `checkpoint`
 state file last (atomically), so a save killed part-way leaves the earlier checkpoints listed and
 usable. A listed checkpoint that cannot be read (a file lost or cut short on the file system) is
 skipped with a warning and the next older one restored; when none can be, the run stops naming
 each file and why, never starting over in silence. A save that fails (disk full, quota) removes
-its partial files and raises `errors.WriteError` naming the directory and the free space.
+its partial files and raises `errors.WriteError` naming the directory and the free space (an
+asynchronous write's failure is raised by the next save or wait).
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ from tfscale.workdir import layout
 class Checkpoints:
     """Restore-or-init, periodic and final saves, and the step counter of one run."""
 
-    def __init__(self, workdir: str, cluster, *, model, optimizer, max_to_keep: int, extra: dict | None = None):
-        """`extra`: more variables to save by name (local SGD's sync counts)."""
+    def __init__(self, workdir: str, cluster, *, model, optimizer, max_to_keep: int, async_save: bool = False,
+                 extra: dict | None = None):
+        """`async_save`: writes go on beside training; `extra`: more variables to save by name (local SGD's sync counts)."""
         self.directory = layout.checkpoints(workdir)
         self.cluster = cluster
         with cluster.strategy.scope():
@@ -50,6 +57,10 @@ class Checkpoints:
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, global_step=self.step, **extra)
         self._manager = self._make_manager(max_to_keep)
         self._last_saved_step = None
+        if async_save:
+            _fix_keras_async_copy()
+        self._options = tf.train.CheckpointOptions(enable_async=async_save)
+        self._writing_step = None  # an asynchronous write not yet waited for
 
     def _make_manager(self, max_to_keep: int) -> tf.train.CheckpointManager | None:
         """The chief's manager of workdir/checkpoints, a scratch one (collective saving), or None."""
@@ -81,21 +92,73 @@ class Checkpoints:
         return restore_newest_usable(
             self.directory, lambda prefix: self._checkpoint.restore(prefix).assert_existing_objects_matched())
 
-    def save(self, global_step: int) -> None:
-        """Saves `global_step` unless it is already saved; every worker calls it (it may be a collective)."""
+    def save(self, global_step: int, *, wait: bool = False) -> None:
+        """Saves `global_step` unless it is already saved; every worker calls it (it may be a collective).
+        With `checkpoint.async_save` the files are written beside the next steps; `wait` returns only once
+        they are (a run's last save)."""
         if self._manager is not None and global_step != self._last_saved_step:
+            self.wait()  # TensorFlow would wait for it too, but its failure is to be named as its own
             try:
-                self._manager.save(checkpoint_number=global_step)
+                self._manager.save(checkpoint_number=global_step, options=self._options)
             except (tf.errors.OpError, OSError) as err:
-                _remove_partial_save(self._manager.directory, global_step)
-                raise io.write_error(os.path.join(self._manager.directory, f"ckpt-{global_step}"), err) from err
+                self._raise_write_error(global_step, err)
             self._last_saved_step = global_step
-            logging.info("saved checkpoint at step %d to %s", global_step, self._manager.directory)
+            if self._options.experimental_enable_async_checkpoint:
+                self._writing_step = global_step
+                logging.info("writing checkpoint of step %d to %s", global_step, self._manager.directory)
+            else:
+                logging.info("saved checkpoint at step %d to %s", global_step, self._manager.directory)
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Returns once an asynchronous write has ended; raises `errors.WriteError` if it failed."""
+        if self._writing_step is None:
+            return
+        step, self._writing_step = self._writing_step, None
+        try:
+            self._checkpoint.sync()
+        except (tf.errors.OpError, OSError) as err:
+            self._raise_write_error(step, err)
+        logging.info("saved checkpoint at step %d to %s", step, self._manager.directory)
+
+    def _raise_write_error(self, step: int, err: Exception):
+        self._last_saved_step = None
+        _remove_partial_save(self._manager.directory, step)
+        raise io.write_error(os.path.join(self._manager.directory, f"ckpt-{step}"), err) from err
 
     def close(self) -> None:
-        """Discards this worker's scratch directory (only the chief's checkpoints are kept)."""
+        """Waits for a write still running, then discards this worker's scratch directory (only the chief's
+        checkpoints are kept)."""
+        self.wait()
         if self._manager is not None and not self.cluster.is_chief:
             shutil.rmtree(self._manager.directory, ignore_errors=True)
+
+
+def _fix_keras_async_copy() -> None:
+    """Keras variables copied to host memory by every asynchronous save, not only by the first.
+
+    TensorFlow's asynchronous checkpoint copies each saved object to host memory in a tf.function, on
+    every save into the copies the first one made (tensorflow/python/checkpoint/async_checkpoint_helper.py,
+    `_copy_to_cpu`, TF 2.21). Keras 3.15's TensorFlow variable makes a new tf.Variable there on every
+    call (keras/src/backend/tensorflow/core.py line 107, `_copy_trackable_to_cpu`), so the second
+    asynchronous save fails: "tf.function only supports singleton tf.Variables created on the first
+    call" (measured). tf.Variable's own method assigns to the copy it made; this makes Keras' do the same.
+    """
+    from keras.src.backend.tensorflow import core  # the Keras variable class of the TensorFlow backend
+
+    if getattr(core.Variable._copy_trackable_to_cpu, "copies_once", False):
+        return
+
+    def copy_trackable_to_cpu(self, object_map):
+        self.value._copy_trackable_to_cpu(object_map)  # the wrapped tf.Variable's copy, made or refreshed
+        if self in object_map:
+            object_map[self].assign(object_map[self.value])
+        else:
+            object_map[self] = tf.Variable(object_map[self.value])
+
+    copy_trackable_to_cpu.copies_once = True
+    core.Variable._copy_trackable_to_cpu = copy_trackable_to_cpu
 
 
 def restore_newest_usable(directory: str, restore: Callable[[str], object]) -> str | None:

@@ -97,7 +97,7 @@ class Controller:
             # Under local SGD workers agree on the weights only right after a world sync: checkpoints,
             # evals and preemption stops wait for one.
             if workers_stopping and plan.in_agreement(step):  # every worker learns it at the same step: they save together
-                self.ckpts.save(step)
+                self.ckpts.save(step, wait=True)
                 self.ckpts.close()
                 raise errors.Preempted(step)
             if plan.due(step, steps.checkpoint_every_steps):
@@ -121,7 +121,7 @@ class Controller:
         if not self.plan.in_agreement(final_step):  # stopped by a callback between world syncs
             self.loops.world_sync()
         with self.end_of_run.part("final_checkpoint"):
-            self.ckpts.save(final_step)
+            self.ckpts.save(final_step, wait=True)
         self.callbacks.on_train_end({"global_step": final_step})
         self.ckpts.close()
         if not self.eval_results:
@@ -158,13 +158,16 @@ def make_evaluator(run: engine.Run, model, callbacks: keras.callbacks.CallbackLi
     `eval_top1_ema`, `eval_top5_ema`, `eval_loss_ema` in the same row.
     """
     eval_step = engine.make_eval_step(run.cfg, run.cluster, model)
-    eval_ds = engine.eval_dataset(run)
+    eval_batches = None  # one iterator for every eval, made at the first
     steps = run.steps
     use_ema = ema.is_on(model.optimizer)  # engine.build_model_and_optimizer sets model.optimizer
 
     def eval_once() -> dict:
+        nonlocal eval_batches
         with naming_bad_data(run, run.cfg.data.eval_split):
-            return engine.evaluate(eval_step, eval_ds, steps.eval_steps)
+            if eval_batches is None:
+                eval_batches = iter(engine.eval_dataset(run))
+            return engine.evaluate(eval_step, eval_batches, steps.eval_steps)
 
     def evaluate(step: int) -> dict:
         callbacks.on_test_begin()

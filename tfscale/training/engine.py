@@ -344,9 +344,9 @@ def make_eval_step(cfg, cluster, model):
     return eval_step
 
 
-def evaluate(eval_step, eval_dataset, num_steps: int) -> dict:
-    """Runs the eval set once; metrics are exact example counts over all replicas."""
-    iterator = iter(eval_dataset)
+def evaluate(eval_step, iterator, num_steps: int) -> dict:
+    """Runs the eval set once (`num_steps` batches of `eval_dataset`'s iterator); metrics are exact
+    example counts over all replicas."""
     totals = tf.zeros([4])
     for _ in range(num_steps):
         totals += eval_step(iterator)
@@ -373,9 +373,13 @@ def train_dataset(run: Run, start_step: int, skipped_images: tf.Variable | None 
 
 
 def eval_dataset(run: Run):
-    """The whole eval set once, in padded batches whose padding is masked out of the metrics."""
+    """The whole eval set pass after pass, each pass `run.steps.eval_steps` padded batches whose padding is
+    masked out of the metrics, the same examples in the same order every pass.
+
+    One iterator serves every eval of a run: its input pipeline, per-device buffers and threads are
+    built once, not at each eval (as Keras' `fit` keeps its validation iterator between epochs).
+    """
     cfg, steps = run.cfg, run.steps
-    return run.cluster.distribute_dataset(
-        loaders.eval_input_fn(cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size,
-                              num_steps=steps.eval_steps, data_dir=run.data_dir)
-    )
+    one_pass = loaders.eval_input_fn(cfg.data, seed=cfg.seed, global_batch_size=steps.eval_global_batch_size,
+                                     num_steps=steps.eval_steps, data_dir=run.data_dir)
+    return run.cluster.distribute_dataset(lambda context: one_pass(context).repeat())

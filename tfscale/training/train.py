@@ -89,7 +89,8 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
                                steps_per_epoch=steps.steps_per_epoch, train_steps=steps.train_steps)
     sync_counts = local_sgd_steps.sync_counters(run.cluster, plan)
     ckpts = checkpoints.Checkpoints(workdir, run.cluster, model=model, optimizer=optimizer,
-                                    max_to_keep=cfg.checkpoint.max_to_keep, extra=sync_counts)
+                                    max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save,
+                                    extra=sync_counts)
     # config.model.init_from applies to a fresh run only: resuming wins over it.
     start_step = ckpts.restore_or_init(lambda: init_from.apply(cfg, model, engine.build_model))
     logged = workdirs.trim_metrics(workdir, start_step) if run.cluster.is_chief else []

@@ -1,0 +1,78 @@
+"""Asynchronous checkpoints (checkpoint.async_save): a save returns while its files are written, and what
+it writes is the state at the save, whatever the steps after it change.
+
+kill -9 during an asynchronous write, preemption and a full disk are walked through with real runs in
+tests/test_reliability.py (the default saves asynchronously).
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import load_config
+
+from tfscale.cluster import distribute
+from tfscale.training import checkpoints
+from tfscale.workdir import layout
+
+WIDTH = 1024  # 4 MiB of weights: a write that is still running when save() returns
+
+
+def build(cluster):
+    with cluster.strategy.scope():
+        model = keras.Sequential([keras.Input([WIDTH]), keras.layers.Dense(WIDTH), keras.layers.Dense(10)])
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def weights(model):
+    return [w.copy() for w in model.get_weights()]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_each_checkpoint_holds_the_state_of_its_save(tmp_path, async_save):
+    cluster = distribute.setup(load_config("smoke").distribute)
+    model, optimizer = build(cluster)
+    ckpts = checkpoints.Checkpoints(str(tmp_path), cluster, model=model, optimizer=optimizer, max_to_keep=5,
+                                    async_save=async_save)
+    assert ckpts.restore_or_init(lambda: None) == 0
+    saved = {}
+    for step in (1, 2, 3):  # the second asynchronous save is the one Keras' host copy used to fail
+        model.set_weights([np.full_like(w, step) for w in model.get_weights()])
+        ckpts.step.assign(step)
+        ckpts.save(step)
+        saved[step] = weights(model)
+        # The next steps change the weights while the files may still be written.
+        model.set_weights([np.full_like(w, -step) for w in model.get_weights()])
+    ckpts.save(3, wait=True)  # already saved: only waits
+    ckpts.close()
+
+    listed = checkpoints.listed_checkpoints(layout.checkpoints(str(tmp_path)))
+    assert [os.path.basename(p) for p in listed] == ["ckpt-3", "ckpt-2", "ckpt-1"]
+    for prefix, step in zip(listed, (3, 2, 1)):
+        fresh, _ = build(cluster)
+        _, restored_step = checkpoints.restore_model(str(tmp_path), fresh, prefix)
+        assert restored_step == step
+        for got, want in zip(fresh.get_weights(), saved[step]):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_a_failed_asynchronous_write_is_named_by_the_next_wait(tmp_path, monkeypatch):
+    cluster = distribute.setup(load_config("smoke").distribute)
+    model, optimizer = build(cluster)
+    ckpts = checkpoints.Checkpoints(str(tmp_path), cluster, model=model, optimizer=optimizer, max_to_keep=5,
+                                    async_save=True)
+    ckpts.restore_or_init(lambda: None)
+    ckpts.save(1, wait=True)
+
+    def failing_sync():
+        raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+
+    ckpts.save(2)
+    ckpts._checkpoint.sync()  # the real write ends; then the next wait finds it failed
+    monkeypatch.setattr(ckpts._checkpoint, "sync", failing_sync)
+    with pytest.raises(Exception, match=r"could not write .*/checkpoints/ckpt-2: .*No space left on device"):
+        ckpts.wait()
