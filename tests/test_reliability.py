@@ -145,7 +145,8 @@ def test_files_a_killed_save_leaves_are_ignored(trained_40, tmp_path):
 
 
 def test_chief_killed_in_the_middle_of_a_save_resumes_from_the_checkpoint_before(tmp_path):
-X
+    """A real kill -9 while TensorFlow writes ckpt-20 (ResNet-18's 86 MB take long enough to be caught), from
+    the host copy of an asynchronous save (checkpoint.async_save, the default) while the steps go on."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "tfscale.train", *SMOKE, f"--workdir={run}", "--config.model.name=resnet18",
                "--config.checkpoint.every_epochs=0.5"]
