@@ -102,6 +102,64 @@ def test_efficiency_against_one_node_and_the_wall_time():
     assert rows[0]["hours_for_epochs"] == pytest.approx(90 * 1_281_167 / 400.0 / 3600)
 
 
+def test_buckets_go_when_full_and_after_the_bucket_before():
+    # Backward order: 4 MB (1e8 FLOPs), 40 MB (2e9), 8 MB (4e9), 4 KB (1e9); backward 2/3 s in proportion to
+    # FLOPs (7.1e9): ready at 0.00939, 0.19718, 0.57277, 0.66667 s. Buckets of 45 MB: [4 MB + 40 MB], [8 MB + 4 KB].
+    w = workload(overlap="buckets", fusion_bytes=45_000_000)
+    cost = lambda size: plan_model.allreduce_s(size, 8, SYSTEM)  # noqa: E731
+    backward = 2 / 3
+    first_done = (0.1e9 + 2e9) / 7.1e9 * backward + cost(44_000_000)
+    second_done = max(backward, first_done) + cost(8_004_000)
+    total, exposed = plan_model.exposed_allreduce_s(w, SYSTEM, 8, compute_s=1.0)
+    assert total == pytest.approx(cost(44_000_000) + cost(8_004_000))
+    assert exposed == pytest.approx(max(0.0, second_done - backward))
+    # Under XLA (every gradient at once) or with one bucket nothing goes before the backward pass ends.
+    assert plan_model.exposed_allreduce_s(workload(overlap="buckets", fusion_bytes=0), SYSTEM, 8, 1.0)[1] == pytest.approx(
+        plan_model.allreduce_s(w.gradient_bytes, 8, SYSTEM))
+
+
+def test_the_config_says_whether_its_buckets_overlap():
+    layers = ((4_000, 1e9), (8_000, 2e9))
+    assert plan.workload_from_config(load_config("r50_32gpu", "--config.distribute.pack_bytes=4194304"),
+                                     layers=layers).overlap == "buckets"
+    assert plan.workload_from_config(load_config("r50_32gpu:xla", "--config.distribute.pack_bytes=4194304"),
+                                     layers=layers).overlap == "none"
+
+
+def test_the_best_bucket_size_exposes_no_more_than_any_other():
+    w = workload(overlap="none")
+    size, exposed = plan_model.best_bucket_bytes(w, SYSTEM, 16)
+    compute_s = w.per_gpu_batch / SYSTEM.gpu_images_per_sec
+    for other in plan_model.BUCKET_CANDIDATES:
+        bucketed = dataclasses.replace(w, overlap="buckets", fusion_bytes=other)
+        assert exposed <= plan_model.exposed_allreduce_s(bucketed, SYSTEM, 16, compute_s)[1] + 1e-12
+    assert size in plan_model.BUCKET_CANDIDATES
+    # Hiding beats one message after the backward pass.
+    assert exposed < plan_model.exposed_allreduce_s(w, SYSTEM, 16, compute_s)[1]
+
+
+def test_eval_and_checkpoint_share_of_the_wall_time():
+    w = workload(overlap="none", num_train_examples=1_000_000, num_eval_examples=30_000, eval_every_epochs=2.0,
+                 checkpoint_every_epochs=1.0, state_bytes=240_000_000, async_checkpoint=True)
+    row = plan_model.predict_point(w, SYSTEM, 8)
+    epoch_s = 1_000_000 / row["images_per_sec"]
+    eval_s = 30_000 / (8 * 400.0 * 3)  # forward only: 3x the training rate, each GPU its eighth
+    checkpoint_s = 240e6 / 12e9  # the host copy at PCIe's 12 GB/s
+    between = eval_s / 2 + checkpoint_s
+    assert row["eval_checkpoint_share"] == pytest.approx(between / (epoch_s + between))
+    # Saved synchronously, the steps wait for the file system's 500 MB/s instead.
+    sync = plan_model.predict_point(dataclasses.replace(w, async_checkpoint=False), SYSTEM, 8)
+    assert sync["eval_checkpoint_share"] == pytest.approx((eval_s / 2 + 240e6 / 500e6) / (epoch_s + eval_s / 2 + 0.48))
+
+
+def test_r50_32gpu_spends_under_2_percent_on_eval_and_checkpoints():
+    cfg = load_config("r50_32gpu:amp")
+    w = plan.workload_from_config(cfg, layers=((102_228_128, 4.1e9),), batchnorm_bytes=212_000)
+    a100 = dataclasses.replace(SYSTEM, gpus_per_node=8, gpu_images_per_sec=2600.0)  # NVIDIA's published AMP rate
+    for gpus in (8, 32, 256):
+        assert plan_model.predict_point(w, a100, gpus)["eval_checkpoint_share"] < 0.02
+
+
 def test_default_gpu_counts():
     assert plan_model.default_gpu_counts(4, 64) == [1, 2, 4, 8, 16, 32, 64]
     assert plan_model.default_gpu_counts(8, 24) == [1, 2, 4, 8, 16, 24]

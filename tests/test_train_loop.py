@@ -307,3 +307,13 @@ def test_batch_norm_statistics_averaged_once_per_loop_equal_averaging_every_step
         np.testing.assert_allclose(per_loop, per_step, rtol=1e-4, atol=1e-6, err_msg=name)
     # The statistics moved from their initial values (0 and 1), so equality above is not trivially met.
     assert any(np.abs(saved[f"loop3/{name}/replica0"] - ("variance" in name)).max() > 1e-3 for name in moving)
+
+
+def test_gradient_buckets_fill_from_the_last_gradient_and_skip_missing_ones():
+    from tfscale.cluster.collectives import gradient_buckets
+
+    grads = [tf.zeros([10]), None, tf.zeros([30]), tf.zeros([5], tf.float16), tf.zeros([100])]  # 40, -, 120, 10, 400 B
+    assert gradient_buckets(grads, 0) == [[4, 3, 2, 0]]
+    # A tensor above the bucket size goes alone; the others fill buckets up to 130 bytes, last first.
+    assert gradient_buckets(grads, 130) == [[4], [3, 2], [0]]
+    assert gradient_buckets([None], 130) == [] and gradient_buckets([None], 0) == []

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Where a step's time goes: medians per step from a TensorFlow profiler trace, or from Horovod's timeline.
+"""Where a step's time goes: medians per step from a TensorFlow profiler trace, or from Horovod's timeline;
+and whether the gradients' all-reduce overlapped the backward pass (with `distribute.pack_bytes` buckets).
 
     python tools/step_timeline.py WORKDIR [--step_event=batch_step]   # a run with --config.profile_steps=A,B
     python tools/step_timeline.py --horovod_timeline=FILE             # a run started with HOROVOD_TIMELINE=FILE
@@ -73,49 +74,126 @@ def step_breakdown(events, step_event: str) -> dict:
         inside = [(thread, name, start, end) for thread, name, start, end in events if first <= start and end <= last]
         busy = _union_ps([(start, end) for thread, name, start, end in inside
                           if thread.startswith("tf_Compute") and name == "ExecutorState::Process"])
-        rows.append({"step": (last - first) / 1e9, "compute_busy": busy / 1e9, "compute_idle": (last - first - busy) / 1e9})
+        row = {"step": (last - first) / 1e9, "compute_busy": busy / 1e9, "compute_idle": (last - first - busy) / 1e9}
+        rows.append(row)
+        row.update(_overlap_ms(inside, first))
         per_name = collections.defaultdict(list)
         for _, name, start, end in inside:
-            if name.split(":")[0].endswith(("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastRecvV2")):
-                per_name[name.split(":")[0]].append((start, end))
+            if _op_type(name) in ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastRecvV2"):
+                # A graph's second op of a name gets "_1" (one per MWMS pack): one entry for them all.
+                per_name[re.sub(r"_\d+$", "", name.split(":")[0])].append((start, end))
         for name, intervals in per_name.items():
             collectives[name].append((_union_ps(intervals) / 1e9, len(intervals)))
-    summary = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    keys = dict.fromkeys(key for row in rows for key in row)  # the overlap figures only where there are any
+    summary = {key: statistics.median(row[key] for row in rows if key in row) for key in keys}
     summary["steps"] = len(rows)
     summary["collectives"] = {name: {"ms": sum(ms for ms, _ in found) / len(rows), "calls": sum(n for _, n in found) / len(rows)}
                               for name, found in sorted(collectives.items())}
     return summary
 
 
-def horovod_activities(path: str) -> dict:
-    """{(tensor group, activity): [durations ms]} of a Horovod timeline (rank 0's view)."""
+def _op_type(event_name: str) -> str:
+    """The op type of a trace event named `scope/op_name:OpType` ("" for other events)."""
+    return event_name.rsplit(":", 1)[1] if ":" in event_name else ""
+
+
+def _overlap_ms(inside, step_start: int) -> dict:
+    """When the step's first gradient all-reduce started against the end of its backward pass (ms from the
+    step's start): `overlap` > 0 means it started that long before the backward pass's last op ended.
+
+    Backward ops run in the gradient tape's name scope (`gradient_tape/`); the gradient all-reduce in
+    `gradient_all_reduce/` (MWMS's CollectiveReduceV2, Horovod's grouped all-reduce op). Under
+    jit_compile the backward pass is one XLA call and has no op of its own: no figure then."""
+    backward = [end for _, name, _, end in inside if name.startswith("gradient_tape/")]
+    reduces = [start for _, name, start, _ in inside if name.startswith("gradient_all_reduce/")
+               and _op_type(name) in ("CollectiveReduceV2", "HorovodGroupedAllreduce")]
+    if not backward or not reduces:
+        return {}
+    backward_end, first_reduce = (max(backward) - step_start) / 1e9, (min(reduces) - step_start) / 1e9
+    return {"backward_end": backward_end, "first_gradient_all_reduce": first_reduce,
+            "overlap": backward_end - first_reduce}
+
+
+def _horovod_spans(path: str) -> list[tuple[str, str, str, float, float]]:
+    """(tensor group, tensor, activity, begin ms, end ms) of a Horovod timeline (rank 0's view)."""
     with open(path) as f:
         text = f.read().rstrip().rstrip(",")
     events = json.loads(text if text.endswith("]") else text + "]")  # still open while the job runs
-    groups = {e["pid"]: e["args"].get("name", "?") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    open_events, durations = collections.defaultdict(list), collections.defaultdict(list)
+    tensors = {e["pid"]: e["args"].get("name", "?") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    open_events, spans = collections.defaultdict(list), []
     for e in events:
         key = (e.get("pid"), e.get("tid"))
         if e.get("ph") == "B":
             open_events[key].append(e)
         elif e.get("ph") == "E" and open_events[key]:
             begin = open_events[key].pop()
+            tensor = tensors.get(e["pid"], "?")
             # A grouped all-reduce shows one process per tensor ("..._3of29"): fold them into one group.
-            group = re.sub(r"_\d+of\d+$", "", groups.get(e["pid"], "?"))
-            durations[(group, begin.get("name"))].append((e["ts"] - begin["ts"]) / 1000)
+            group = re.sub(r"_\d+of\d+$", "", tensor)
+            spans.append((group, tensor, begin.get("name"), begin["ts"] / 1000, e["ts"] / 1000))
+    return spans
+
+
+def horovod_activities(path: str) -> dict:
+    """{(tensor group, activity): [durations ms]} of a Horovod timeline (rank 0's view)."""
+    durations = collections.defaultdict(list)
+    for group, _, activity, begin, end in _horovod_spans(path):
+        durations[(group, activity)].append(end - begin)
     return durations
+
+
+def horovod_overlap_ms(path: str) -> dict | None:
+    """Per step, from a Horovod timeline: how long before every rank had submitted the last gradient bucket
+    (the slowest rank's backward pass done: that bucket's NEGOTIATE_ALLREDUCE ends) the first bucket's
+    all-reduce began to move data (ALLREDUCE begins); medians over steps. > 0: gradients went out while a
+    backward pass still ran. None without buckets (distribute.pack_bytes=0)."""
+    begins = collections.defaultdict(list)  # (group, activity, tensor) -> (begin ms, end ms), one per step
+    for group, tensor, activity, begin, end in _horovod_spans(path):
+        if group.startswith("gradient_all_reduce/"):
+            begins[(group, activity, tensor)].append((begin, end))
+    counts = collections.Counter()
+    for (group, activity, _), found in begins.items():
+        if activity == "NEGOTIATE_ALLREDUCE":
+            counts[group] = max(counts[group], len(found))
+    # The training step's buckets are the groups sent most often (the benchmark's breakdown all-reduces
+    # the gradients alone a few times, as buckets of other names).
+    groups = sorted(g for g, n in counts.items() if n == max(counts.values(), default=0))
+    if len(groups) < 2:
+        return None
+
+    def per_step(group, activity, edge):  # the group's first tensor to reach `activity`'s edge, step by step
+        series = [[span[edge] for span in spans] for (g, a, _), spans in begins.items() if g == group and a == activity]
+        return [min(step) for step in zip(*series)]
+
+    submitted = {g: per_step(g, "NEGOTIATE_ALLREDUCE", 0) for g in groups}
+    all_submitted = {g: per_step(g, "NEGOTIATE_ALLREDUCE", 1) for g in groups}
+    moving = {g: per_step(g, "ALLREDUCE", 0) for g in groups}
+    num_steps = min(len(x) for x in (*submitted.values(), *moving.values()))
+    overlaps = []
+    for step in range(num_steps):
+        first = min(groups, key=lambda g: submitted[g][step])
+        last_all_submitted = max(all_submitted[g][step] for g in groups)
+        overlaps.append(last_all_submitted - moving[first][step])
+    return {"buckets": len(groups), "steps": num_steps, "overlap": statistics.median(overlaps)}
 
 
 def main(argv):
     if _HOROVOD_TIMELINE.value:
         for (group, activity), ms in sorted(horovod_activities(_HOROVOD_TIMELINE.value).items()):
             print(f"{activity:28s} median {statistics.median(ms):7.3f} ms over {len(ms):5d} events  {group[:80]}")
+        overlap = horovod_overlap_ms(_HOROVOD_TIMELINE.value)
+        if overlap:
+            print(f"{overlap['buckets']} gradient buckets: the first began its all-reduce {overlap['overlap']:.2f} ms "
+                  f"before every rank had submitted the last (median of {overlap['steps']} steps)")
         return
     if len(argv) != 2:
         sys.exit("usage: step_timeline.py WORKDIR | --horovod_timeline=FILE")
     summary = step_breakdown(host_events(argv[1]), _STEP_EVENT.value)
     print(f"{summary['steps']} profiled steps, median ms: step {summary['step']:.2f}, compute busy "
           f"{summary['compute_busy']:.2f}, compute idle {summary['compute_idle']:.2f}")
+    if "overlap" in summary:
+        print(f"  backward pass ends at {summary['backward_end']:.2f} ms, the first gradient all-reduce starts at "
+              f"{summary['first_gradient_all_reduce']:.2f} ms: {summary['overlap']:.2f} ms of overlap (median)")
     for name, figures in summary["collectives"].items():
         print(f"  {name:40s} {figures['ms']:7.2f} ms per step (mean), {figures['calls']:.1f} calls")
     with open(os.path.join(argv[1], "step_timeline.json"), "w") as f:

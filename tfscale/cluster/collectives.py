@@ -69,6 +69,23 @@ def untune_device_datasets() -> None:
     multi_device_iterator_ops._create_device_dataset = build_untuned
 
 
+def gradient_buckets(grads: list[tf.Tensor | None], bucket_bytes: int) -> list[list[int]]:
+    """Indexes of `grads` in buckets of at most `bucket_bytes` (a larger tensor alone; 0: one bucket),
+    filled from the last gradient to the first: the order a backward pass produces them."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not bucket_bytes:
+        return [present[::-1]] if present else []
+    buckets, size = [], 0
+    for index in reversed(present):
+        grad_bytes = grads[index].shape.num_elements() * grads[index].dtype.size
+        if not buckets or size + grad_bytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += grad_bytes
+    return buckets
+
+
 class Collectives(abc.ABC):
     """How one backend reduces across replicas and processes (see the Cluster method of the same name)."""
 
@@ -106,9 +123,10 @@ class StrategyCollectives(Collectives):
     saving_is_collective = True
     averages_gradients = False
 
-    def __init__(self, strategy: tf.distribute.Strategy, device_prefetch_batches: int = 1, household_size: int = 0,
-                 communication_hint: str = "auto"):
+    def __init__(self, strategy: tf.distribute.Strategy, device_prefetch_batches: int = 1, bucket_bytes: int = 0,
+                 household_size: int = 0, communication_hint: str = "auto"):
         self.strategy = strategy
+        self.bucket_bytes = bucket_bytes  # gradients go in buckets of this many bytes (0: one all-reduce)
         self.input_options = device_input_options(device_prefetch_batches)
         self.household_size = household_size  # replicas per household (0: no households, everyone)
         # The household all-reduce is a raw collective op: it gets the strategy's implementation
@@ -121,12 +139,19 @@ class StrategyCollectives(Collectives):
     def reduce_gradients(self, grads):
         if self.strategy.num_replicas_in_sync == 1:
             return list(grads)  # nothing to sum; the strategy's all-reduce would add an identity per gradient
-        # The strategy's all-reduce with its communication options (MWMS: packs of distribute.pack_bytes,
-        # NCCL or rings), the one Keras' apply_gradients would run (TFOptimizer._all_reduce_sum_gradients).
-        present = [g for g in grads if g is not None]
-        summed = iter(tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, present)
-                      if present else [])
-        return [None if g is None else next(summed) for g in grads]
+        # The strategy's all-reduce (MWMS: NCCL or rings, with its communication options), one call per
+        # bucket, the last layer's first. One call for all would wait for every gradient: the replica
+        # context's all_reduce joins its inputs first (an identity_n under its custom gradient:
+        # tensorflow/python/distribute/distribute_lib.py, ReplicaContext.all_reduce, TF 2.21), although
+        # MWMS reverses and packs them inside "so as to overlap calculation with communication"
+        # (cross_device_ops.py, CollectiveAllReduce). A bucket's call waits for its own gradients only, and
+        # MWMS launches the calls' collectives in this order (its ordering token).
+        reduced = list(grads)
+        context = tf.distribute.get_replica_context()
+        for bucket in gradient_buckets(grads, self.bucket_bytes):
+            for index, value in zip(bucket, context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in bucket])):
+                reduced[index] = value
+        return reduced
 
     def mean_over_replicas(self, values):
         return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, values)
@@ -184,14 +209,25 @@ class HorovodCollectives(Collectives):
     averages_gradients = True
 
     def __init__(self, hvd: Any, strategy: tf.distribute.Strategy | None, fp16_allreduce: bool = False,
-                 device_prefetch_batches: int = 1, household=None):
+                 bucket_bytes: int = 0, device_prefetch_batches: int = 1, household=None):
         self.hvd = hvd  # the horovod.tensorflow module
         self.household = household  # this rank's household as a Horovod process set (None: all ranks)
         self.strategy = strategy
         self.fp16_allreduce = fp16_allreduce  # gradients travel as float16
+        self.bucket_bytes = bucket_bytes  # gradients go in buckets of this many bytes (0: one group)
         self.input_options = device_input_options(device_prefetch_batches)
 
     def reduce_gradients(self, grads):
+        # One grouped all-reduce per bucket, the buckets in the order the backward pass produces the
+        # gradients (the last layer's first), as MWMS packs them: a bucket's all-reduce is submitted as
+        # soon as its gradients exist, while the backward pass computes the rest.
+        reduced = list(grads)
+        for bucket in gradient_buckets(grads, self.bucket_bytes):
+            for index, value in zip(bucket, self._average([grads[i] for i in bucket])):
+                reduced[index] = value
+        return reduced
+
+    def _average(self, grads):
         if not self.fp16_allreduce:
             return self.hvd.grouped_allreduce(grads, op=self.hvd.Average)
         # hvd.Average divides after summing: N loss-scaled float16 gradients would overflow N times

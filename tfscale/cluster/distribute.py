@@ -173,7 +173,7 @@ def _strategy_cluster(dist_cfg: ml_collections.ConfigDict, strategy: tf.distribu
         num_replicas=strategy.num_replicas_in_sync,
         host=socket.gethostname(),
         all_reduce=_strategy_all_reduce(dist_cfg.backend, strategy.num_replicas_in_sync, implementation),
-        _collectives=StrategyCollectives(strategy, dist_cfg.device_prefetch_batches,
+        _collectives=StrategyCollectives(strategy, dist_cfg.device_prefetch_batches, bucket_bytes=dist_cfg.pack_bytes,
                                          household_size=_household_size(dist_cfg, strategy.num_replicas_in_sync),
                                          communication_hint=devices.communication_hint(implementation)),
     )
@@ -218,6 +218,7 @@ def _horovod_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
         host=socket.gethostname(),
         all_reduce=_horovod_all_reduce(hvd, num_gpus, dist_cfg.horovod_fp16_allreduce),
         _collectives=HorovodCollectives(hvd, strategy, fp16_allreduce=dist_cfg.horovod_fp16_allreduce,
+                                        bucket_bytes=dist_cfg.pack_bytes,
                                         device_prefetch_batches=dist_cfg.device_prefetch_batches,
                                         household=_horovod_household(hvd, dist_cfg)),
     )

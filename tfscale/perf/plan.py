@@ -20,7 +20,7 @@ import sys
 
 from tfscale import cli, errors, io
 from tfscale.perf import scaling
-from tfscale.perf.plan_model import System, Workload, default_gpu_counts, predict
+from tfscale.perf.plan_model import System, Workload, best_bucket_bytes, default_gpu_counts, predict
 
 # --- systems from files and measurements -----------------------------------------------------------------------
 
@@ -60,18 +60,30 @@ def workload_from_config(cfg, per_gpu_batch: int | None = None, layers=None, bat
     if layers is None:
         layers, batchnorm_bytes = model_layers(cfg)
     backend = cfg.distribute.backend
-    # Horovod fuses up to HOROVOD_FUSION_THRESHOLD (128 MiB by default); MWMS packs pack_bytes (0: one message).
-    fusion = (cfg.distribute.horovod_fusion_bytes or 128 << 20) if backend == "horovod" else cfg.distribute.pack_bytes
+    # The step sends its gradients in buckets of pack_bytes, each as soon as it is full (both backends), unless
+    # XLA computes every gradient at once (jit_compile) or pack_bytes=0 makes one message after the backward
+    # pass. Horovod fuses a message up to HOROVOD_FUSION_THRESHOLD (128 MiB by default).
+    bucketed = bool(cfg.distribute.pack_bytes) and not cfg.jit_compile
+    fusion = cfg.distribute.pack_bytes or ((cfg.distribute.horovod_fusion_bytes or 128 << 20) if backend == "horovod" else 0)
     return Workload(
         model=cfg.model.name,
         per_gpu_batch=per_gpu_batch or cfg.data.max_per_replica_batch_size or cfg.data.global_batch_size,
-        layers=tuple(layers), algorithm="ring", overlap="none", fusion_bytes=fusion,
+        layers=tuple(layers), algorithm="ring", overlap="buckets" if bucketed else "none", fusion_bytes=fusion,
         wire_factor=0.5 if backend == "horovod" and cfg.distribute.horovod_fp16_allreduce else 1.0,
         # After its last step, engine's loop sums its steps' losses and the stop flag (float32 each) and
         # averages BatchNorm's moving statistics (unless synchronized BatchNorm made them equal).
         loop_collectives=(4 * (cfg.train.steps_per_loop + 1), *(() if cfg.model.sync_bn else (batchnorm_bytes,))),
         steps_per_loop=cfg.train.steps_per_loop,
-        num_train_examples=cfg.data.num_train_examples, epochs=cfg.train.epochs)
+        num_train_examples=cfg.data.num_train_examples, epochs=cfg.train.epochs,
+        num_eval_examples=cfg.data.num_eval_examples, eval_every_epochs=cfg.train.eval_every_epochs,
+        checkpoint_every_epochs=cfg.checkpoint.every_epochs, async_checkpoint=cfg.checkpoint.async_save,
+        state_bytes=state_bytes(cfg, sum(size for size, _ in layers), batchnorm_bytes))
+
+
+def state_bytes(cfg, gradient_bytes: int, batchnorm_bytes: int) -> int:
+    """A checkpoint's bytes: the weights, one momentum slot each (SGD and LARS), their EMA, BatchNorm's statistics."""
+    copies = 2 + (1 if cfg.optim.get("ema_decay", 0.0) else 0)
+    return copies * gradient_bytes + batchnorm_bytes
 
 
 def model_layers(cfg) -> tuple[list[tuple[int, int]], int]:
@@ -92,12 +104,14 @@ def model_layers(cfg) -> tuple[list[tuple[int, int]], int]:
 
 def table(rows: list[dict], epochs: float) -> str:
     lines = [f"{'GPUs':>5} {'nodes':>5} {'images/sec':>11} {'per GPU':>8} {'speedup':>8} {'eff(1 GPU)':>10} "
-             f"{'eff(node)':>9} {'step ms':>8} {'all-red ms':>10} {'exposed':>8} {'input':>6} {f'{epochs:g} epochs':>11}"]
+             f"{'eff(node)':>9} {'step ms':>8} {'all-red ms':>10} {'exposed':>8} {'input':>6} {'eval+ckpt':>9} "
+             f"{f'{epochs:g} epochs':>11}"]
     for r in rows:
         lines.append(f"{r['gpus']:>5} {r['nodes']:>5} {r['images_per_sec']:>11.1f} {r['per_gpu_images_per_sec']:>8.1f} "
                      f"{r['speedup']:>8.2f} {r['efficiency']:>10.3f} {r['efficiency_vs_node']:>9.3f} "
                      f"{r['step_ms']:>8.1f} {r['allreduce_ms']:>10.1f} {r['exposed_ms']:>8.1f} "
-                     f"{'BOUND' if r['input_bound'] else 'ok':>6} {r['hours_for_epochs']:>9.1f} h")
+                     f"{'BOUND' if r['input_bound'] else 'ok':>6} {100 * r['eval_checkpoint_share']:>8.1f}% "
+                     f"{r['hours_for_epochs']:>9.1f} h")
     return "\n".join(lines)
 
 
@@ -123,12 +137,23 @@ def write_outputs(output_dir: str, workload: Workload, system: System, rows: lis
 
 
 def describe(workload: Workload, system: System) -> str:
-    when = ("tensor by tensor as gradients become ready" if workload.overlap == "per_tensor"
-            else "after the backward pass")
+    when = {"per_tensor": "tensor by tensor as gradients become ready",
+            "buckets": f"in buckets of {workload.fusion_bytes / 2**20:g} MiB as they fill"}.get(
+        workload.overlap, "after the backward pass")
     return (f"{workload.model}, {workload.per_gpu_batch} images per GPU, {workload.gradient_bytes / 1e6:.1f} MB of "
             f"gradients ({workload.algorithm} all-reduce {when}); {system.name}: {system.gpus_per_node} GPUs per node, "
             f"1 GPU {system.gpu_images_per_sec:g} images/sec, {system.intra_node_GBps:g} GB/s in a node, "
             f"{system.inter_node_GBps:g} GB/s between nodes")
+
+
+def bucket_advice(cfg, workload: Workload, system: System, num_gpus: int) -> str:
+    """The distribute.pack_bytes that hides the most all-reduce at `num_gpus` GPUs (a config without XLA)."""
+    size, exposed_s = best_bucket_bytes(workload, system, num_gpus)
+    if cfg.jit_compile:
+        return (f"jit_compile=True: every gradient is ready only when the XLA step ends, so none is sent sooner; "
+                f"without XLA, distribute.pack_bytes={size} would leave {exposed_s * 1e3:.1f} ms of all-reduce exposed "
+                f"at {num_gpus} GPUs (plan that config with its own one-GPU rate, and take the faster)")
+    return f"distribute.pack_bytes={size} exposes the least all-reduce at {num_gpus} GPUs: {exposed_s * 1e3:.1f} ms a step"
 
 
 def fail(message: str) -> None:
@@ -200,6 +225,7 @@ def run_plan(cfg, flags_) -> list[dict]:
     title = describe(workload, system)
     print(f"tfscale-plan: {title}")
     print(table(rows, workload.epochs))
+    print(bucket_advice(cfg, workload, system, max(counts)))
     if flags_.output_dir:
         write_outputs(flags_.output_dir, workload, system, rows,
                       f"{workload.model}, {workload.per_gpu_batch} images per GPU, on {system.name}")

@@ -13,8 +13,11 @@ each formula and its source, tests/test_plan.py checks them against hand-compute
               layer's share in proportion to its FLOPs). Implementations that all-reduce tensor by tensor
               (Horovod's DistributedOptimizer, tf_cnn_benchmarks) start when a cycle ends, fusing what is
               ready up to the fusion buffer, one all-reduce at a time; tfscale's step all-reduces the
-              whole gradient list after the backward pass (nothing hides). Of what could hide, the
-              share `overlap_efficiency` does: the one constant per system, calibrated on one stated run
+              whole gradient list after the backward pass (nothing hides) under XLA or with
+              distribute.pack_bytes=0, else in buckets of pack_bytes as MWMS packs and PyTorch DDP buckets
+              go: a bucket when its last gradient is ready, after the bucket before it. Of what could
+              hide, the share `overlap_efficiency` does: the one constant per system, calibrated on one
+              stated run
   input       one GPU gets at most cores-per-GPU x decode-rate images/sec, a node at most its storage
               read rate / image size
   step        T = max(T_c + exposed all-reduce, B / input rate), X_N = N B / T
@@ -31,7 +34,7 @@ BACKWARD_SHARE = 2 / 3
 # Ring / Simple, NVIDIA/nccl 5067397c); the per-step latencies are each System's.
 NCCL_BASE_LATENCY_US = 8.4
 ALGORITHMS = ("ring", "hierarchical")
-OVERLAPS = ("none", "per_tensor")
+OVERLAPS = ("none", "per_tensor", "buckets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,8 @@ class System:
     # the part no spec sheet gives: calibrated on one stated run per system (docs/scaling.md).
     overlap_efficiency: float = 1.0
     calibration: str = ""  # where overlap_efficiency comes from
+    host_copy_GBps: float = 12.0  # checkpoint: device to host copy (PCIe Gen3 x16, NCCL topo.h PCI_BW)
+    storage_write_MBps: float = 500.0  # checkpoint: what the chief writes to the shared file system
     sources: dict = dataclasses.field(default_factory=dict)  # field -> where its value comes from
 
 
@@ -78,6 +83,13 @@ class Workload:
     steps_per_loop: int = 1
     num_train_examples: int = 1_281_167
     epochs: float = 90.0
+    # Between the steps: an eval of `num_eval_examples` every `eval_every_epochs`, a checkpoint of `state_bytes`
+    # (weights, optimizer slots, BatchNorm statistics) every `checkpoint_every_epochs` (0: none).
+    num_eval_examples: int = 50_000
+    eval_every_epochs: float = 0.0
+    checkpoint_every_epochs: float = 0.0
+    state_bytes: int = 0
+    async_checkpoint: bool = True  # the step waits for a host copy only, not for the file system
 
     @property
     def gradient_bytes(self) -> int:
@@ -146,14 +158,17 @@ def exposed_allreduce_s(workload: Workload, system: System, num_gpus: int, compu
     if workload.overlap == "none":  # after the backward pass, fused messages one after another
         total = sum(cost(size) for size in buckets(wire, workload.fusion_bytes)) + others
         return total, total
-    if workload.overlap != "per_tensor":
+    if workload.overlap == "per_tensor":
+        total, tail = _per_tensor_timeline(workload, wire, cost, compute_s)
+    elif workload.overlap == "buckets":
+        total, tail = _bucket_timeline(workload, wire, cost, compute_s)
+    else:
         raise ValueError(f"overlap {workload.overlap!r} is not one of: {', '.join(OVERLAPS)}")
-    total, tail = _per_tensor_timeline(workload, wire, cost, compute_s)
     return total + others, tail + (1 - system.overlap_efficiency) * (total - tail) + others
 
 
-def _per_tensor_timeline(workload: Workload, wire: list[float], cost, compute_s: float) -> tuple[float, float]:
-    """(all-reduce seconds in all, seconds of it after the backward pass) when tensors go as they are ready."""
+def _ready_times(workload: Workload, compute_s: float) -> tuple[float, list[float]]:
+    """(backward seconds, when each layer's gradients are ready in the backward pass's order)."""
     backward_s = BACKWARD_SHARE * compute_s
     flops = [f for _, f in reversed(workload.layers)]
     total_flops = sum(flops) or 1
@@ -161,6 +176,28 @@ def _per_tensor_timeline(workload: Workload, wire: list[float], cost, compute_s:
     for f in flops:  # a layer's gradients are ready once the backward pass has gone through it
         done += backward_s * f / total_flops
         ready.append(done)
+    return backward_s, ready
+
+
+def _bucket_timeline(workload: Workload, wire: list[float], cost, compute_s: float) -> tuple[float, float]:
+    """(all-reduce seconds in all, seconds of it after the backward pass) when buckets of `fusion_bytes`, filled
+    in the backward pass's order, each go once their last gradient is ready and the bucket before is sent."""
+    backward_s, ready = _ready_times(workload, compute_s)
+    network_free, total, first = 0.0, 0.0, 0
+    for size in buckets(wire, workload.fusion_bytes):
+        last, filled = first, wire[first]
+        while filled < size:  # the tensors `buckets` packed into this one
+            last += 1
+            filled += wire[last]
+        network_free = max(ready[last], network_free) + cost(size)
+        total += cost(size)
+        first = last + 1
+    return total, max(0.0, network_free - backward_s)
+
+
+def _per_tensor_timeline(workload: Workload, wire: list[float], cost, compute_s: float) -> tuple[float, float]:
+    """(all-reduce seconds in all, seconds of it after the backward pass) when tensors go as they are ready."""
+    backward_s, ready = _ready_times(workload, compute_s)
     cycle_s = workload.cycle_ms * 1e-3
     network_free, sent, total = 0.0, 0, 0.0
     tick = cycle_s or ready[0]
@@ -189,6 +226,22 @@ def input_images_per_sec(system: System) -> float:
     return min(limits) if limits else math.inf
 
 
+# Eval runs the forward pass only: a third of a training step's FLOPs per image (BACKWARD_SHARE).
+EVAL_SPEEDUP = 1 / (1 - BACKWARD_SHARE)
+
+
+def between_steps_s(workload: Workload, system: System, num_gpus: int) -> tuple[float, float]:
+    """(seconds of one eval, seconds one checkpoint stops the steps) at `num_gpus` GPUs.
+
+    Eval: each GPU its share of the eval set at EVAL_SPEEDUP x its training rate. Checkpoint: with
+    asynchronous saving the host copy of the state; otherwise the chief's write, which every worker waits
+    for (MWMS saves collectively).
+    """
+    eval_s = workload.num_eval_examples / (num_gpus * system.gpu_images_per_sec * EVAL_SPEEDUP)
+    rate = system.host_copy_GBps * 1e9 if workload.async_checkpoint else system.storage_write_MBps * 1e6
+    return eval_s, workload.state_bytes / rate
+
+
 def predict_point(workload: Workload, system: System, num_gpus: int) -> dict:
     batch = workload.per_gpu_batch
     compute_s = batch / system.gpu_images_per_sec
@@ -196,11 +249,16 @@ def predict_point(workload: Workload, system: System, num_gpus: int) -> dict:
     input_s = batch / input_images_per_sec(system)
     step_s = max(compute_s + exposed_s, input_s)
     images_per_sec = num_gpus * batch / step_s
+    epoch_s = workload.num_train_examples / images_per_sec
+    eval_s, checkpoint_s = between_steps_s(workload, system, num_gpus)
+    between_s = ((eval_s / workload.eval_every_epochs if workload.eval_every_epochs else 0.0)
+                 + (checkpoint_s / workload.checkpoint_every_epochs if workload.checkpoint_every_epochs else 0.0))
     return {"gpus": num_gpus, "nodes": math.ceil(num_gpus / system.gpus_per_node), "images_per_sec": images_per_sec,
             "per_gpu_images_per_sec": images_per_sec / num_gpus, "step_ms": step_s * 1e3,
             "compute_ms": compute_s * 1e3, "allreduce_ms": allreduce_total_s * 1e3, "exposed_ms": exposed_s * 1e3,
             "input_bound": input_s > compute_s + exposed_s,
-            "hours_for_epochs": workload.epochs * workload.num_train_examples / images_per_sec / 3600}
+            "eval_checkpoint_share": between_s / (epoch_s + between_s),
+            "hours_for_epochs": workload.epochs * (epoch_s + between_s) / 3600}
 
 
 def predict(workload: Workload, system: System, gpu_counts: list[int]) -> list[dict]:
@@ -230,6 +288,20 @@ def calibrate_overlap(workload: Workload, system: System, num_gpus: int, efficie
         return 1.0
     exposed = compute_s / efficiency - compute_s  # the step time the point implies, less the compute
     return min(1.0, max(0.0, (never_hidden - exposed) / (never_hidden - tail)))
+
+
+BUCKET_CANDIDATES = tuple(1 << k for k in range(20, 29))  # 1 MiB .. 256 MiB
+
+
+def best_bucket_bytes(workload: Workload, system: System, num_gpus: int) -> tuple[int, float]:
+    """(distribute.pack_bytes, exposed all-reduce seconds) of the bucket size that exposes least at `num_gpus`
+    GPUs: small buckets start sooner, each pays NCCL's per-call latency; the smallest of equals wins."""
+    compute_s = workload.per_gpu_batch / system.gpu_images_per_sec
+    exposed = {size: exposed_allreduce_s(dataclasses.replace(workload, overlap="buckets", fusion_bytes=size), system,
+                                         num_gpus, compute_s)[1] for size in BUCKET_CANDIDATES}
+    best = min(exposed.values())
+    size = min(size for size, seconds in exposed.items() if seconds <= best * 1.001)
+    return size, exposed[size]
 
 
 def default_gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
