@@ -51,7 +51,7 @@ SAFE_TO_CHANGE = (
     "data.data_dir", "data.stage_dir",  # where the same shards are (another node's local disk)
     "data.private_threads", "data.autotune", "data.ram_budget_mb", "data.eval_global_batch_size",
     "data.skip_corrupt_images",  # a run that stopped on a corrupt image resumes skipping it
-    "jit_compile",  # how a step runs, not what it computes
+    "jit_compile", "optim.compiled_update",  # how a step runs, not what it computes
     "distribute.backend", "distribute.num_cpu_devices",  # another worker count, the same global batch
     "distribute.log_all_ranks", "distribute.*_timeout_s", "distribute.collective_impl",
     "distribute.device_prefetch_batches", "distribute.pack_bytes", "distribute.port_base",
