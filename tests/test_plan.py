@@ -160,6 +160,27 @@ def test_r50_32gpu_spends_under_2_percent_on_eval_and_checkpoints():
         assert plan_model.predict_point(w, a100, gpus)["eval_checkpoint_share"] < 0.02
 
 
+def test_stragglers_the_step_waits_for_the_slowest_gpu():
+    # The expected maximum of N standard normals against its tabulated values (Harter 1961); N = 2: 1/sqrt(pi).
+    for n, exact in ((2, 1 / math.sqrt(math.pi)), (10, 1.5388), (100, 2.5076)):
+        assert plan_model.slowest_of(n) == pytest.approx(exact, abs=1e-3)
+    assert plan_model.slowest_of(1) == 0.0
+    w = workload(overlap="none")
+    spread = dataclasses.replace(SYSTEM, step_time_cv=0.05)
+    steady, straggling = plan_model.predict_point(w, SYSTEM, 16), plan_model.predict_point(w, spread, 16)
+    assert straggling["compute_ms"] == pytest.approx(steady["compute_ms"] * (1 + 0.05 * plan_model.slowest_of(16)))
+    assert plan_model.predict_point(w, spread, 1)["compute_ms"] == steady["compute_ms"] == pytest.approx(160.0)
+
+
+def test_the_spread_comes_from_a_benchmark_report(tmp_path):
+    report = {"total_images_per_sec": 250.0, "num_replicas": 1,
+              "per_worker": [{"rank": 0, "median_step_ms": 100.0, "p90_step_ms": 106.4, "p99_step_ms": 110.0}]}
+    (tmp_path / "benchmark.json").write_text(json.dumps(report))
+    overrides = plan.measured_overrides(str(tmp_path / "benchmark.json"), "")
+    assert overrides["gpu_images_per_sec"] == 250.0
+    assert overrides["step_time_cv"] == pytest.approx(0.064 / 1.2816)
+
+
 def test_default_gpu_counts():
     assert plan_model.default_gpu_counts(4, 64) == [1, 2, 4, 8, 16, 32, 64]
     assert plan_model.default_gpu_counts(8, 24) == [1, 2, 4, 8, 16, 24]

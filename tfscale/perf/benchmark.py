@@ -212,11 +212,15 @@ def host_info() -> dict:
 def _gather_rates(cluster, steps: dict, per_worker_batch: int, warmup: int) -> list[dict]:
     """Every worker's rate with and without warm-up, gathered in rank order (a collective)."""
     step_s = steps["step_s"]
+    timed_ms = [1000 * s for s in step_s[warmup:]]
+    # The spread of a worker's step times is what stragglers cost at scale: tfscale-plan reads p50 and p90.
+    p50, p90, p99 = (float(np.percentile(timed_ms, q)) for q in (50, 90, 99))
     own = [speed_stats(step_s[warmup:], per_worker_batch)["images_per_sec"],
-           speed_stats(step_s, per_worker_batch)["images_per_sec"], 1000 * statistics.median(step_s[warmup:])]
+           speed_stats(step_s, per_worker_batch)["images_per_sec"], p50, p90, p99]
     rows = cluster.gather_per_worker(own)
     return [{"rank": rank, "images_per_sec": round(r[0], 2), "images_per_sec_incl_warmup": round(r[1], 2),
-             "median_step_ms": round(r[2], 3)} for rank, r in enumerate(rows)]
+             "median_step_ms": round(r[2], 3), "p90_step_ms": round(r[3], 3), "p99_step_ms": round(r[4], 3)}
+            for rank, r in enumerate(rows)]
 
 
 def _batch_source(cfg, cluster, input_fn):

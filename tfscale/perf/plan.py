@@ -191,6 +191,9 @@ def measured_overrides(benchmark_json: str, allreduce_json: str) -> dict:
             raise ValueError(f"--benchmark_json={benchmark_json} ran on {report['num_replicas']} replicas; "
                              "the plan's reference is one GPU (run tfscale-bench with one worker)")
         overrides["gpu_images_per_sec"] = report["total_images_per_sec"]
+        worker = report["per_worker"][0]
+        if worker.get("p90_step_ms"):  # the GPU's step-time spread: what stragglers cost at N GPUs
+            overrides["step_time_cv"] = max(0.0, worker["p90_step_ms"] / worker["median_step_ms"] - 1) / 1.2816
     if allreduce_json:
         report = _read_report(allreduce_json, "allreduce")
         bandwidth, latency = link_from_allreduce(report["allreduce"], report["num_replicas"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 # The backward pass costs twice the forward (two matrix products per forward one), so 2/3 of a step.
 BACKWARD_SHARE = 2 / 3
@@ -58,6 +59,9 @@ class System:
     # the part no spec sheet gives: calibrated on one stated run per system (docs/scaling.md).
     overlap_efficiency: float = 1.0
     calibration: str = ""  # where overlap_efficiency comes from
+    # Stragglers: the spread of one GPU's step time, sigma / mean (0: not modelled). From tfscale-bench on
+    # this GPU: (p90 - p50) / (1.2816 p50), a normal distribution's p90 lying 1.2816 sigma above its median.
+    step_time_cv: float = 0.0
     host_copy_GBps: float = 12.0  # checkpoint: device to host copy (PCIe Gen3 x16, NCCL topo.h PCI_BW)
     storage_write_MBps: float = 500.0  # checkpoint: what the chief writes to the shared file system
     sources: dict = dataclasses.field(default_factory=dict)  # field -> where its value comes from
@@ -242,9 +246,21 @@ def between_steps_s(workload: Workload, system: System, num_gpus: int) -> tuple[
     return eval_s, workload.state_bytes / rate
 
 
+def slowest_of(num_gpus: int) -> float:
+    """z_N: the expected largest of N independent standard normal draws, E[max] = integral of
+    x N phi(x) Phi(x)^(N-1) dx (the order statistic's density), integrated numerically. A synchronous step
+    waits for the slowest of its N GPUs' compute: T_c (1 + cv z_N)."""
+    if num_gpus <= 1:
+        return 0.0
+    normal, step = statistics.NormalDist(), 0.002
+    points = (-8.0 + i * step for i in range(int(16.0 / step) + 1))
+    return sum(x * num_gpus * normal.pdf(x) * normal.cdf(x) ** (num_gpus - 1) for x in points) * step
+
+
 def predict_point(workload: Workload, system: System, num_gpus: int) -> dict:
     batch = workload.per_gpu_batch
-    compute_s = batch / system.gpu_images_per_sec
+    # The mean step's compute, or with stragglers the slowest GPU's (each GPU's time drawn independently).
+    compute_s = batch / system.gpu_images_per_sec * (1 + system.step_time_cv * slowest_of(num_gpus))
     allreduce_total_s, exposed_s = exposed_allreduce_s(workload, system, num_gpus, compute_s)
     input_s = batch / input_images_per_sec(system)
     step_s = max(compute_s + exposed_s, input_s)
