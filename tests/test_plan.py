@@ -94,6 +94,15 @@ def test_a_node_with_too_few_cores_for_jpeg_decoding_is_input_bound():
     assert plan_model.predict(workload(), storage, [4])[0]["per_gpu_images_per_sec"] == pytest.approx(250.0)
 
 
+def test_a_nodes_cores_are_shared_by_the_gpus_the_job_uses_on_it():
+    # 16 cores at 100 images/s each: one GPU alone gets 1600 images/s, each of 4 on the node 400, of 8 only 200.
+    node = dataclasses.replace(SYSTEM, gpus_per_node=8, cpu_cores_per_node=16, decode_images_per_sec_per_core=100.0)
+    rows = {r["gpus"]: r for r in plan_model.predict(workload(), node, [1, 4, 8, 16])}
+    assert not rows[1]["input_bound"] and not rows[4]["input_bound"]
+    assert rows[8]["input_bound"] and rows[8]["per_gpu_images_per_sec"] == pytest.approx(200.0)
+    assert rows[16]["per_gpu_images_per_sec"] == pytest.approx(200.0)  # two full nodes
+
+
 def test_efficiency_against_one_node_and_the_wall_time():
     rows = plan_model.predict(workload(), SYSTEM, [1, 4, 8])
     node = rows[1]["images_per_sec"]

@@ -50,6 +50,7 @@ class System:
     inter_node_GBps: float  # one node's network (what a ring crossing nodes is limited by)
     inter_node_latency_us: float  # per ring step once the ring crosses nodes
     cpu_cores_per_gpu: float = 0.0  # input: cores decoding for each GPU (0: input not modelled, synthetic data)
+    cpu_cores_per_node: float = 0.0  # input: a node's cores, shared by the GPUs the job uses on it (0: cpu_cores_per_gpu)
     decode_images_per_sec_per_core: float = 0.0  # input: JPEG decode + augment rate of one core
     read_MBps_per_node: float = 0.0  # input: what a node reads from storage (0: not limiting)
     image_bytes: float = 110e3  # input: mean encoded image (ImageNet's JPEGs: ~110 KB)
@@ -220,13 +221,16 @@ def _per_tensor_timeline(workload: Workload, wire: list[float], cost, compute_s:
 # --- the prediction ------------------------------------------------------------------------------------------
 
 
-def input_images_per_sec(system: System) -> float:
-    """What the CPU and storage can feed one GPU (inf where not modelled)."""
+def input_images_per_sec(system: System, num_gpus: int | None = None) -> float:
+    """What the CPU and storage can feed one GPU of a `num_gpus` job (inf where not modelled): a node's cores
+    and storage are shared by the job's GPUs on it, so a node fills up as GPUs are added."""
+    on_node = min(num_gpus or system.gpus_per_node, system.gpus_per_node)
+    cores = system.cpu_cores_per_node / on_node if system.cpu_cores_per_node else system.cpu_cores_per_gpu
     limits = []
-    if system.cpu_cores_per_gpu and system.decode_images_per_sec_per_core:
-        limits.append(system.cpu_cores_per_gpu * system.decode_images_per_sec_per_core)
+    if cores and system.decode_images_per_sec_per_core:
+        limits.append(cores * system.decode_images_per_sec_per_core)
     if system.read_MBps_per_node:
-        limits.append(system.read_MBps_per_node * 1e6 / system.image_bytes / system.gpus_per_node)
+        limits.append(system.read_MBps_per_node * 1e6 / system.image_bytes / on_node)
     return min(limits) if limits else math.inf
 
 
@@ -262,7 +266,7 @@ def predict_point(workload: Workload, system: System, num_gpus: int) -> dict:
     # The mean step's compute, or with stragglers the slowest GPU's (each GPU's time drawn independently).
     compute_s = batch / system.gpu_images_per_sec * (1 + system.step_time_cv * slowest_of(num_gpus))
     allreduce_total_s, exposed_s = exposed_allreduce_s(workload, system, num_gpus, compute_s)
-    input_s = batch / input_images_per_sec(system)
+    input_s = batch / input_images_per_sec(system, num_gpus)
     step_s = max(compute_s + exposed_s, input_s)
     images_per_sec = num_gpus * batch / step_s
     epoch_s = workload.num_train_examples / images_per_sec
