@@ -36,6 +36,18 @@ def test_allreduce_in_one_node_and_across_nodes():
     assert plan_model.allreduce_s(S, 16, SYSTEM, "hierarchical") == pytest.approx(base + in_node + between)
 
 
+def test_nccls_tree_as_its_tuner_models_it_and_the_choice():
+    # 16 GPUs on 4 nodes, 1 MiB (log2(2^20 / 64) = 14: correction 0.5): latency 2 (3 x 28 + 2 x 50) us; bandwidth
+    # half of min(0.9 x 3 GB/s, 80), corrected.
+    tree = plan_model.allreduce_s(1 << 20, 16, SYSTEM, "tree")
+    assert tree == pytest.approx(2 * (3 * 28 + 2 * 50) * 1e-6 + (1 << 20) / (0.5 * 0.9 * 3e9 * 0.5))
+    # Small messages across many nodes: the tree's log2(nodes) latency wins; a big one in a node: the ring.
+    many_nodes = dataclasses.replace(SYSTEM, gpus_per_node=1)
+    assert plan_model.nccl_choice(4096, 256, many_nodes) == "tree"
+    assert plan_model.nccl_choice(S, 4, SYSTEM) == "ring"
+    assert plan_model.allreduce_s(4096, 256, many_nodes, "nccl") == plan_model.allreduce_s(4096, 256, many_nodes, "tree")
+
+
 def test_fusion_packs_consecutive_tensors():
     assert plan_model.buckets([10, 20, 30, 40], 50) == [30, 30, 40]
     assert plan_model.buckets([10, 20, 30], 0) == [60]  # no fusion limit: one message

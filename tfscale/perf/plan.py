@@ -68,7 +68,7 @@ def workload_from_config(cfg, per_gpu_batch: int | None = None, layers=None, bat
     return Workload(
         model=cfg.model.name,
         per_gpu_batch=per_gpu_batch or cfg.data.max_per_replica_batch_size or cfg.data.global_batch_size,
-        layers=tuple(layers), algorithm="ring", overlap="buckets" if bucketed else "none", fusion_bytes=fusion,
+        layers=tuple(layers), algorithm="nccl", overlap="buckets" if bucketed else "none", fusion_bytes=fusion,
         wire_factor=0.5 if backend == "horovod" and cfg.distribute.horovod_fp16_allreduce else 1.0,
         # After its last step, engine's loop sums its steps' losses and the stop flag (float32 each) and
         # averages BatchNorm's moving statistics (unless synchronized BatchNorm made them equal).
@@ -104,12 +104,12 @@ def model_layers(cfg) -> tuple[list[tuple[int, int]], int]:
 
 def table(rows: list[dict], epochs: float) -> str:
     lines = [f"{'GPUs':>5} {'nodes':>5} {'images/sec':>11} {'per GPU':>8} {'speedup':>8} {'eff(1 GPU)':>10} "
-             f"{'eff(node)':>9} {'step ms':>8} {'all-red ms':>10} {'exposed':>8} {'input':>6} {'eval+ckpt':>9} "
+             f"{'eff(node)':>9} {'step ms':>8} {'all-red ms':>10} {'exposed':>8} {'NCCL':>5} {'input':>6} {'eval+ckpt':>9} "
              f"{f'{epochs:g} epochs':>11}"]
     for r in rows:
         lines.append(f"{r['gpus']:>5} {r['nodes']:>5} {r['images_per_sec']:>11.1f} {r['per_gpu_images_per_sec']:>8.1f} "
                      f"{r['speedup']:>8.2f} {r['efficiency']:>10.3f} {r['efficiency_vs_node']:>9.3f} "
-                     f"{r['step_ms']:>8.1f} {r['allreduce_ms']:>10.1f} {r['exposed_ms']:>8.1f} "
+                     f"{r['step_ms']:>8.1f} {r['allreduce_ms']:>10.1f} {r['exposed_ms']:>8.1f} {r['nccl_algorithm']:>5} "
                      f"{'BOUND' if r['input_bound'] else 'ok':>6} {100 * r['eval_checkpoint_share']:>8.1f}% "
                      f"{r['hours_for_epochs']:>9.1f} h")
     return "\n".join(lines)

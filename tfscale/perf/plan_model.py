@@ -34,7 +34,14 @@ BACKWARD_SHARE = 2 / 3
 # NCCL's tuner: latency of one ring all-reduce call before its steps (src/graph/tuning.cc baseLatencies,
 # Ring / Simple, NVIDIA/nccl 5067397c); the per-step latencies are each System's.
 NCCL_BASE_LATENCY_US = 8.4
-ALGORITHMS = ("ring", "hierarchical")
+# NCCL's tree all-reduce, Simple protocol, as its tuner models it (src/graph/tuning.cc, NVIDIA/nccl 01afd20a,
+# ncclTopoTuneModel and ncclTopoGetAlgoTime): latency 2 ((g-1) x 28 us + log2(m) x 50 us) for g GPUs on each of
+# m nodes (hwLat Tree/Simple, PCIe or NVLink and network; baseLat Tree/Simple 0); bandwidth half of
+# min(0.9 busbw, 80 GB/s over > 2 nodes, else 110), times a correction by message size below 256 MiB.
+TREE_INTRA_LATENCY_US, TREE_NET_LATENCY_US = 28.0, 50.0
+TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .5, .5, .6, .6, .7, .8, .9)  # 64 B .. 128 MiB
+# "nccl": whichever of ring and tree NCCL's tuner finds faster for the message (NCCL >= 2.4 picks trees).
+ALGORITHMS = ("ring", "hierarchical", "tree", "nccl")
 OVERLAPS = ("none", "per_tensor", "buckets")
 
 
@@ -122,6 +129,10 @@ def allreduce_s(size_bytes: float, num_gpus: int, system: System, algorithm: str
         return 0.0
     nodes = math.ceil(num_gpus / system.gpus_per_node)
     base_s = NCCL_BASE_LATENCY_US * 1e-6
+    if algorithm == "nccl":
+        return min(allreduce_s(size_bytes, num_gpus, system, "ring"), allreduce_s(size_bytes, num_gpus, system, "tree"))
+    if algorithm == "tree":
+        return _tree_allreduce_s(size_bytes, num_gpus, nodes, system)
     if algorithm == "ring" or nodes == 1:  # one ring through every GPU: its steps wait for the slowest link
         bandwidth = system.intra_node_GBps if nodes == 1 else min(system.intra_node_GBps, system.inter_node_GBps)
         inter_steps = 2 * (nodes - 1)
@@ -137,6 +148,24 @@ def allreduce_s(size_bytes: float, num_gpus: int, system: System, algorithm: str
     between = (ring_allreduce_s(size_bytes, nodes, system.inter_node_GBps, 0.0)
                + 2 * math.ceil(math.log2(nodes)) * system.inter_node_latency_us * 1e-6)
     return base_s + in_node + between
+
+
+def _tree_allreduce_s(size_bytes: float, num_gpus: int, nodes: int, system: System) -> float:
+    """NCCL's tree all-reduce (see TREE_INTRA_LATENCY_US): a double binary tree between the nodes, a chain in each."""
+    per_node = num_gpus / nodes
+    latency_s = 2 * ((per_node - 1) * TREE_INTRA_LATENCY_US + math.log2(nodes) * TREE_NET_LATENCY_US) * 1e-6
+    bus_GBps = system.intra_node_GBps if nodes == 1 else min(system.intra_node_GBps, system.inter_node_GBps)
+    algorithm_GBps = 0.5 * min(0.9 * bus_GBps, 80.0 if nodes > 2 else 110.0)
+    log_size = int(math.log2(max(size_bytes / 64, 1)))
+    if log_size < len(TREE_CORRECTION):
+        algorithm_GBps *= TREE_CORRECTION[log_size]
+    return latency_s + size_bytes / (algorithm_GBps * 1e9)
+
+
+def nccl_choice(size_bytes: float, num_gpus: int, system: System) -> str:
+    """The all-reduce algorithm NCCL's tuner would pick for one message of `size_bytes`: "ring" or "tree"."""
+    ring, tree = (allreduce_s(size_bytes, num_gpus, system, a) for a in ("ring", "tree"))
+    return "tree" if tree < ring else "ring"
 
 
 def buckets(sizes: list[int], fusion_bytes: int) -> list[int]:
@@ -278,6 +307,10 @@ def predict_point(workload: Workload, system: System, num_gpus: int) -> dict:
             "compute_ms": compute_s * 1e3, "allreduce_ms": allreduce_total_s * 1e3, "exposed_ms": exposed_s * 1e3,
             "input_bound": input_s > compute_s + exposed_s,
             "eval_checkpoint_share": between_s / (epoch_s + between_s),
+            # What NCCL picks for the step's largest gradient message (the algorithm "nccl" compares both).
+            "nccl_algorithm": nccl_choice(max(buckets([s * workload.wire_factor for s, _ in workload.layers],
+                                                      workload.fusion_bytes), default=0), num_gpus, system)
+            if num_gpus > 1 else "-",
             "hours_for_epochs": workload.epochs * (epoch_s + between_s) / 3600}
 
 
