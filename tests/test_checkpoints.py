@@ -11,8 +11,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import load_config
+from conftest import load_config, small_file_system
 
+from tfscale import errors
 from tfscale.cluster import distribute
 from tfscale.training import checkpoints
 from tfscale.workdir import layout
@@ -60,19 +61,19 @@ def test_each_checkpoint_holds_the_state_of_its_save(tmp_path, async_save):
             np.testing.assert_array_equal(got, want)
 
 
-def test_a_failed_asynchronous_write_is_named_by_the_next_wait(tmp_path, monkeypatch):
+def test_a_failed_asynchronous_write_is_named_by_the_next_wait(tmp_path):
+    """The disk fills while ckpt-2 is written beside the steps: the wait names ckpt-2 (not the next save), removes
+    its partial files and leaves ckpt-1 listed."""
     cluster = distribute.setup(load_config("smoke").distribute)
     model, optimizer = build(cluster)
-    ckpts = checkpoints.Checkpoints(str(tmp_path), cluster, model=model, optimizer=optimizer, max_to_keep=5,
-                                    async_save=True)
-    ckpts.restore_or_init(lambda: None)
-    ckpts.save(1, wait=True)
-
-    def failing_sync():
-        raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
-
-    ckpts.save(2)
-    ckpts._checkpoint.sync()  # the real write ends; then the next wait finds it failed
-    monkeypatch.setattr(ckpts._checkpoint, "sync", failing_sync)
-    with pytest.raises(Exception, match=r"could not write .*/checkpoints/ckpt-2: .*No space left on device"):
-        ckpts.wait()
+    with small_file_system(tmp_path / "disk", "12m") as disk:  # ckpt-1's 8.4 MB fit, ckpt-2's do not
+        ckpts = checkpoints.Checkpoints(str(disk), cluster, model=model, optimizer=optimizer, max_to_keep=5,
+                                        async_save=True)
+        ckpts.restore_or_init(lambda: None)
+        ckpts.save(1, wait=True)
+        ckpts.save(2)
+        with pytest.raises(errors.WriteError, match=r"could not write .*/checkpoints/ckpt-2: .*No space left on device"):
+            ckpts.wait()
+        directory = layout.checkpoints(str(disk))
+        assert [os.path.basename(p) for p in checkpoints.listed_checkpoints(directory)] == ["ckpt-1"]
+        assert not [name for name in os.listdir(directory) if name.startswith("ckpt-2")]

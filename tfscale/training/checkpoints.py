@@ -118,8 +118,12 @@ class Checkpoints:
         step, self._writing_step = self._writing_step, None
         try:
             self._checkpoint.sync()
+            _raise_async_error(self._checkpoint)
         except (tf.errors.OpError, OSError) as err:
             self._raise_write_error(step, err)
+        prefix = os.path.join(self._manager.directory, f"ckpt-{step}")
+        if prefix not in listed_checkpoints(self._manager.directory):  # written, then listed: or it failed
+            self._raise_write_error(step, OSError(f"the asynchronous write of {prefix} ended without listing it"))
         logging.info("saved checkpoint at step %d to %s", step, self._manager.directory)
 
     def _raise_write_error(self, step: int, err: Exception):
@@ -133,6 +137,16 @@ class Checkpoints:
         self.wait()
         if self._manager is not None and not self.cluster.is_chief:
             shutil.rmtree(self._manager.directory, ignore_errors=True)
+
+
+def _raise_async_error(checkpoint: tf.train.Checkpoint) -> None:
+    """Raises what the asynchronous write thread failed with. `Checkpoint.sync()` waits for the thread but
+    keeps its error for the next save (tensorflow/python/checkpoint/async_checkpoint_helper.py: `sync` joins
+    the queue only; `_check_async_thread_error` raises, TF 2.21), which would then be named as that save's."""
+    helper = getattr(checkpoint, "_async_checkpointer_impl", None)
+    check = getattr(helper, "_check_async_thread_error", None)
+    if check is not None:
+        check()
 
 
 def _fix_keras_async_copy() -> None:
