@@ -180,11 +180,12 @@ def test_mwms_local_sgd_with_period_1_equals_synchronous(tmp_path, mwms_sync):
     reference, _, _, _ = mwms_sync
     assert_weights_close(final[0], final[1], rtol=0, atol=0)
     # Averaging the weights after each local step (momentum too) is averaging the gradients, up to float
-    # order (~1e-7 after 2 steps, amplified to ~1e-4 by 16 steps at LR 0.1, as in test_multiworker's
-    # equivalence test); training moved the weights by ~1 and L_W=4 lands ~1e-2 away.
+    # order (~1e-7 after 2 steps, amplified by 16 steps at LR 0.1 to a largest difference of 1.9e-4 with
+    # Keras' update and 3.2e-4 with the compiled one's XLA rounding, measured); training moved the weights
+    # by ~1 and L_W=4 lands ~1e-2 away, so atol 5e-4 still tells right from wrong.
     initial = weights(tmp_path / "w0_init.npz")
     assert max(np.abs(w - w0).max() for w, w0 in zip(final[0], initial)) > 0.1
-    assert_weights_close(final[0], reference[0], rtol=2e-3, atol=2e-4)
+    assert_weights_close(final[0], reference[0], rtol=2e-3, atol=5e-4)
     assert summary["world_syncs"] == summary["steps"] == 16
 
 
@@ -244,7 +245,7 @@ def test_horovod_local_sgd_with_period_1_equals_synchronous(tmp_path):
     sync, _, _, _ = launch(2, "horovod", tmp_path / "sync")
     local, digests, summary, _ = launch(2, "horovod", tmp_path / "local", *LOCAL, "--config.distribute.sync_period=1")
     assert_weights_close(local[0], local[1], rtol=0, atol=0)
-    assert_weights_close(local[0], sync[0], rtol=2e-3, atol=2e-4)
+    assert_weights_close(local[0], sync[0], rtol=2e-3, atol=5e-4)  # as for MWMS above
     assert summary["world_syncs"] == 16
 
 

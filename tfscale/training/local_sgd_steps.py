@@ -16,15 +16,18 @@ def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, 
                           household_gradients: bool = False):
     """`make_train_loop`'s local-SGD twin: every replica applies its own gradients (or its household's mean).
 
-    The update is applied outside `strategy.run`, where Keras' `apply_gradients` finds no replica
-    context of the strategy to all-reduce in: each worker's variables take its own step. That holds
-    for one replica per worker process (`check_local_replicas`): a worker's several replicas would
-    all take the first one's step. The steps' losses and stop flags are summed over the job once, after
-    the loop's last step: without households a local step sends nothing.
+    Each replica applies its own gradients: with `optim.compiled_update` the same compiled update as a
+    synchronous step, inside the replica (it reduces nothing); otherwise Keras' `apply_gradients`
+    outside `strategy.run`, where it finds no replica context of the strategy to all-reduce in. Either
+    way each worker's variables take its own step. That holds for one replica per worker process
+    (`check_local_replicas`): a worker's several replicas would all take the first one's step. The
+    steps' losses and stop flags are summed over the job once, after the loop's last step: without
+    households a local step sends nothing.
     """
     loss_and_grads = engine.make_loss_and_grads(cfg, cluster, model, optimizer, local=True)
     strategy = cluster.strategy
     batch_norm_state = [v for v in model.non_trainable_variables if keras.backend.is_float_dtype(v.dtype)]
+    apply_update = engine.make_update(cfg, model, optimizer) if cfg.optim.compiled_update else None
 
     def replica_grads(images, labels, stop_requested):
         loss_share, grads = loss_and_grads(images, labels)
@@ -36,11 +39,15 @@ def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, 
             grads = averaged[:len(grads)]
             for variable, value in zip(batch_norm_state, averaged[len(grads):]):
                 variable.assign(value)
+        if apply_update is not None:
+            apply_update(grads)
+            return tf.stack([loss_share, stop_requested]), []
         return tf.stack([loss_share, stop_requested]), grads
 
     def global_step(iterator, stop_requested):
         loss_and_stop, grads = strategy.run(replica_grads, args=(*next(iterator), stop_requested))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if apply_update is None:
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return tf.add_n(strategy.experimental_local_results(loss_and_stop))
 
     return engine.compiled_loop(global_step, optimizer, step, learning_rate, cluster.sum_over_processes)
