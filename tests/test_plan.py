@@ -181,6 +181,40 @@ def test_r50_32gpu_spends_under_2_percent_on_eval_and_checkpoints():
         assert plan_model.predict_point(w, a100, gpus)["eval_checkpoint_share"] < 0.02
 
 
+def test_keras_update_launches_its_ops_after_the_all_reduce_the_compiled_one_does_not():
+    cfg = load_config("r50_32gpu:amp", "--config.optim.compiled_update=False")
+    layers = ((102_228_128, 4.1e9),)
+    keras = plan.workload_from_config(cfg, layers=layers, num_variables=161)
+    compiled = plan.workload_from_config(load_config("r50_32gpu:amp"), layers=layers, num_variables=161)
+    # Counted in a traced ResNet-50 mixed_float16 step: 2,342 ops outside XLA against 60 compiled.
+    assert (keras.update_ops, compiled.update_ops) == (2342 - 60, 0)
+    assert plan.workload_from_config(load_config("r50_32gpu:amp_bf16", "--config.optim.compiled_update=False"),
+                                     layers=layers, num_variables=161).update_ops == 1509 - 60  # no loss scaling
+    slow, fast = (plan_model.predict_point(w, SYSTEM, 8) for w in (keras, compiled))
+    assert slow["update_ms"] == pytest.approx((2342 - 60) * SYSTEM.op_launch_us / 1e3)
+    assert slow["step_ms"] == pytest.approx(fast["step_ms"] + slow["update_ms"]) and fast["update_ms"] == 0.0
+
+
+def test_each_part_of_the_step_is_planned_on_and_off():
+    from tfscale.perf import plan_parts
+
+    w = dataclasses.replace(workload(overlap="none", eval_every_epochs=1, checkpoint_every_epochs=1,
+                                     state_bytes=100_000_000), num_variables=100)
+    rows = plan_parts.variants("mixed_float16", w, SYSTEM, 16)
+    steps = [plan_model.predict_point(v, SYSTEM, 16) for _, v in rows]
+    # Every part switched on makes the step shorter or the run's pauses shorter, none longer.
+    assert steps[0]["exposed_ms"] > steps[1]["exposed_ms"]  # the flag's own all-reduce
+    assert steps[1]["update_ms"] == pytest.approx(plan_model.keras_update_ops("mixed_float16", 100) * 5e-3)
+    assert steps[2]["update_ms"] == 0.0 and steps[2]["step_ms"] < steps[1]["step_ms"]
+    assert steps[3]["eval_checkpoint_share"] < steps[2]["eval_checkpoint_share"]
+    assert rows[4][1].overlap == "buckets" and steps[4]["exposed_ms"] < steps[3]["exposed_ms"]
+    # Break-even: at that one-GPU rate the bucketed step is as fast as the XLA one at the full rate.
+    rate = plan_parts.break_even_rate(rows[3][1], rows[4][1], SYSTEM, 16)
+    at_rate = plan_model.predict_point(rows[4][1], dataclasses.replace(SYSTEM, gpu_images_per_sec=rate), 16)
+    assert rate < SYSTEM.gpu_images_per_sec
+    assert at_rate["images_per_sec"] == pytest.approx(steps[3]["images_per_sec"], rel=1e-6)
+
+
 def test_stragglers_the_step_waits_for_the_slowest_gpu():
     # The expected maximum of N standard normals against its tabulated values (Harter 1961); N = 2: 1/sqrt(pi).
     for n, exact in ((2, 1 / math.sqrt(math.pi)), (10, 1.5388), (100, 2.5076)):
@@ -248,6 +282,16 @@ def test_plan_prints_the_table_for_the_32_gpu_recipe_on_the_p100_cluster(tmp_pat
     written = json.loads((tmp_path / "plan.json").read_text())
     assert [r["gpus"] for r in written["rows"]] == [1, 2, 4, 8, 16, 32, 64]
     assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("system", ["a100_ib_200g", "a100_eth_25g"])
+def test_the_parts_tables_in_docs_scaling_md_are_what_the_command_prints(system):
+    result = run_cli("tfscale.perf.plan", "--config=r50_32gpu:amp", f"--system={system}", "--gpus=32,256", "--parts")
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = open(os.path.join(REPO, "docs", "scaling.md")).read()
+    begin, end = f"<!-- tfscale-plan --parts {system}: begin -->\n", f"<!-- tfscale-plan --parts {system}: end -->"
+    committed = doc[doc.index(begin) + len(begin):doc.index(end)].strip()
+    assert committed == result.stdout.strip(), "regenerate the tables with the command above them"
 
 
 @pytest.mark.slow

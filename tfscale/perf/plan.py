@@ -3,6 +3,7 @@
     tfscale-plan --config=r50_32gpu --system=p100_ib_4gpu [--gpus=1,2,4,8,16,32] [--output_dir=runs/plan]
     tfscale-plan --config=r50_32gpu --system=my_cluster.json --benchmark_json=runs/bench1/benchmark.json \
         [--allreduce_json=runs/allreduce/benchmark.json]
+    tfscale-plan --config=r50_32gpu:amp --system=a100_ib_200g --gpus=32,256 --parts   # each part of the step
     tfscale-plan --published        # the model beside every published run it is checked against (docs/scaling.md)
 
 Prints a table per GPU count (images/sec, per GPU, speedup, efficiency against 1 GPU and against one
@@ -20,7 +21,7 @@ import sys
 
 from tfscale import cli, errors, io
 from tfscale.perf import scaling
-from tfscale.perf.plan_model import System, Workload, best_bucket_bytes, default_gpu_counts, predict
+from tfscale.perf.plan_model import System, Workload, best_bucket_bytes, default_gpu_counts, keras_update_ops, predict
 
 # --- systems from files and measurements -----------------------------------------------------------------------
 
@@ -55,10 +56,11 @@ def link_from_allreduce(rows: list[dict], num_replicas: int) -> tuple[float, flo
     return 2 * (num_replicas - 1) / num_replicas * largest["size_bytes"] / transfer_s / 1e9, latency_s * 1e6
 
 
-def workload_from_config(cfg, per_gpu_batch: int | None = None, layers=None, batchnorm_bytes: int = 0) -> Workload:
+def workload_from_config(cfg, per_gpu_batch: int | None = None, layers=None, batchnorm_bytes: int = 0,
+                         num_variables: int | None = None) -> Workload:
     """The Workload a tfscale config runs: its model's layers, batch, and the backend's all-reduces."""
     if layers is None:
-        layers, batchnorm_bytes = model_layers(cfg)
+        layers, batchnorm_bytes, num_variables = model_layers(cfg)
     backend = cfg.distribute.backend
     # The step sends its gradients in buckets of pack_bytes, each as soon as it is full (both backends), unless
     # XLA computes every gradient at once (jit_compile) or pack_bytes=0 makes one message after the backward
@@ -77,7 +79,9 @@ def workload_from_config(cfg, per_gpu_batch: int | None = None, layers=None, bat
         num_train_examples=cfg.data.num_train_examples, epochs=cfg.train.epochs,
         num_eval_examples=cfg.data.num_eval_examples, eval_every_epochs=cfg.train.eval_every_epochs,
         checkpoint_every_epochs=cfg.checkpoint.every_epochs, async_checkpoint=cfg.checkpoint.async_save,
-        state_bytes=state_bytes(cfg, sum(size for size, _ in layers), batchnorm_bytes))
+        state_bytes=state_bytes(cfg, sum(size for size, _ in layers), batchnorm_bytes),
+        num_variables=num_variables or len(layers),
+        update_ops=0 if cfg.optim.compiled_update else keras_update_ops(cfg.precision, num_variables or len(layers)))
 
 
 def state_bytes(cfg, gradient_bytes: int, batchnorm_bytes: int) -> int:
@@ -86,9 +90,9 @@ def state_bytes(cfg, gradient_bytes: int, batchnorm_bytes: int) -> int:
     return copies * gradient_bytes + batchnorm_bytes
 
 
-def model_layers(cfg) -> tuple[list[tuple[int, int]], int]:
+def model_layers(cfg) -> tuple[list[tuple[int, int]], int, int]:
     """(gradient bytes, forward FLOPs) of each layer with trainable weights of the config's model, forward order,
-    and the bytes of its non-trainable float weights (BatchNorm's moving statistics)."""
+    the bytes of its non-trainable float weights (BatchNorm's moving statistics) and its trainable variables."""
     import numpy as np
 
     from tfscale.model import stats  # Keras, only when a config's model is planned
@@ -96,7 +100,7 @@ def model_layers(cfg) -> tuple[list[tuple[int, int]], int]:
 
     model = models.create_from_config(cfg)
     frozen = sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in model.non_trainable_weights)
-    return stats.layer_costs(model), int(frozen)
+    return stats.layer_costs(model), int(frozen), len(model.trainable_variables)
 
 
 # --- output --------------------------------------------------------------------------------------------------
@@ -168,6 +172,8 @@ def resolve_system(name_or_path: str, model: str, per_gpu_batch: int) -> System:
     batch), or a JSON file."""
     from tfscale.perf import plan_published
 
+    if name_or_path in plan_published.REFERENCE_SYSTEMS:
+        return plan_published.REFERENCE_SYSTEMS[name_or_path]
     if name_or_path in plan_published.SYSTEMS:
         system = plan_published.calibrated_systems()[name_or_path]
         series = [s for s in plan_published.SERIES if (s.system, s.model, s.per_gpu_batch) ==
@@ -178,7 +184,8 @@ def resolve_system(name_or_path: str, model: str, per_gpu_batch: int) -> System:
                 **system.sources, "gpu_images_per_sec": series[0].source})
         return system
     if not os.path.isfile(name_or_path):
-        raise ValueError(f"--system={name_or_path!r} is neither a file nor one of: {', '.join(plan_published.SYSTEMS)}")
+        known = [*plan_published.SYSTEMS, *plan_published.REFERENCE_SYSTEMS]
+        raise ValueError(f"--system={name_or_path!r} is neither a file nor one of: {', '.join(known)}")
     return load_system(name_or_path)
 
 
@@ -227,6 +234,11 @@ def run_plan(cfg, flags_) -> list[dict]:
     rows = predict(workload, system, counts)
     title = describe(workload, system)
     print(f"tfscale-plan: {title}")
+    if flags_.parts:
+        from tfscale.perf import plan_parts
+
+        print(plan_parts.table(cfg.precision, workload, system, counts))
+        return rows
     print(table(rows, workload.epochs))
     print(bucket_advice(cfg, workload, system, max(counts)))
     if flags_.output_dir:
@@ -261,7 +273,7 @@ def define_flags() -> None:
     config_flags.DEFINE_config_file("config", None, "Config file (or bundled recipe name) of the job to plan.",
                                     lock_config=True)
     flags.DEFINE_string("system", "p100_ib_4gpu", "A cluster: a JSON file of tfscale.perf.plan_model.System's fields, or "
-                        "one of the published systems (tfscale.perf.plan_published.SYSTEMS).")
+                        "one of the named systems (tfscale.perf.plan_published: SYSTEMS, REFERENCE_SYSTEMS).")
     flags.DEFINE_list("gpus", [], "GPU counts to predict (default: 1, 2, .. a node, then doubling to --max_gpus).")
     flags.DEFINE_integer("max_gpus", 64, "Largest GPU count of the default list.")
     flags.DEFINE_integer("per_gpu_batch", 0, "Images per GPU (default: the config's max_per_replica_batch_size, "
@@ -270,6 +282,8 @@ def define_flags() -> None:
     flags.DEFINE_string("benchmark_json", "", "A one-GPU tfscale-bench benchmark.json: its images/sec.")
     flags.DEFINE_string("allreduce_json", "", "A tfscale-bench allreduce benchmark.json: the link between GPUs.")
     flags.DEFINE_string("output_dir", "", "Write plan.json and plan.png here.")
+    flags.DEFINE_bool("parts", False, "Print what each part of the step is worth at each GPU count: the plan with the "
+                      "skip's consensus, the compiled update, asynchronous checkpoints and bucketed overlap off, then on.")
     flags.DEFINE_bool("published", False, "Print the model beside the published runs it is checked against.")
 
 

@@ -20,7 +20,9 @@ each formula and its source, tests/test_plan.py checks them against hand-compute
               stated run
   input       one GPU gets at most cores-per-GPU x decode-rate images/sec, a node at most its storage
               read rate / image size
-  step        T = max(T_c + exposed all-reduce, B / input rate), X_N = N B / T
+  update      without optim.compiled_update, Keras' update launches its ops variable by variable: each
+              costs a kernel launch (System.op_launch_us)
+  step        T = max(T_c + exposed all-reduce + update, B / input rate), X_N = N B / T
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class System:
     # Stragglers: the spread of one GPU's step time, sigma / mean (0: not modelled). From tfscale-bench on
     # this GPU: (p90 - p50) / (1.2816 p50), a normal distribution's p90 lying 1.2816 sigma above its median.
     step_time_cv: float = 0.0
+    # The update: what launching one GPU kernel outside XLA costs (CUDA's launch latency, a few microseconds;
+    # a small elementwise kernel takes about as long to run), paid by each op of an update Keras applies
+    # variable by variable (Workload.update_ops).
+    op_launch_us: float = 5.0
     host_copy_GBps: float = 12.0  # checkpoint: device to host copy (PCIe Gen3 x16, NCCL topo.h PCI_BW)
     storage_write_MBps: float = 500.0  # checkpoint: what the chief writes to the shared file system
     sources: dict = dataclasses.field(default_factory=dict)  # field -> where its value comes from
@@ -102,6 +108,10 @@ class Workload:
     checkpoint_every_epochs: float = 0.0
     state_bytes: int = 0
     async_checkpoint: bool = True  # the step waits for a host copy only, not for the file system
+    num_variables: int = 0  # trainable variables
+    # Ops the update runs outside XLA, each a kernel launch after the all-reduce (0: optim.compiled_update,
+    # one XLA call).
+    update_ops: int = 0
 
     @property
     def gradient_bytes(self) -> int:
@@ -263,6 +273,18 @@ def input_images_per_sec(system: System, num_gpus: int | None = None) -> float:
     return min(limits) if limits else math.inf
 
 
+# Ops Keras' apply_gradients adds outside XLA per trainable variable, counted in a traced ResNet-50 step (161
+# variables, perf.step_ops.ops_outside_xla): 2,342 against 60 with optim.compiled_update under mixed_float16
+# (finite checks, unscaling, loss-scale bookkeeping), 1,509 against 60 without loss scaling.
+KERAS_UPDATE_OPS_PER_VARIABLE = {"loss_scaled": (2342 - 60) / 161, "plain": (1509 - 60) / 161}
+
+
+def keras_update_ops(precision: str, num_variables: int) -> int:
+    """The ops Keras' update launches outside XLA each step for `num_variables` variables."""
+    kind = "loss_scaled" if precision == "mixed_float16" else "plain"
+    return round(KERAS_UPDATE_OPS_PER_VARIABLE[kind] * num_variables)
+
+
 # Eval runs the forward pass only: a third of a training step's FLOPs per image (BACKWARD_SHARE).
 EVAL_SPEEDUP = 1 / (1 - BACKWARD_SHARE)
 
@@ -296,7 +318,8 @@ def predict_point(workload: Workload, system: System, num_gpus: int) -> dict:
     compute_s = batch / system.gpu_images_per_sec * (1 + system.step_time_cv * slowest_of(num_gpus))
     allreduce_total_s, exposed_s = exposed_allreduce_s(workload, system, num_gpus, compute_s)
     input_s = batch / input_images_per_sec(system, num_gpus)
-    step_s = max(compute_s + exposed_s, input_s)
+    update_s = workload.update_ops * system.op_launch_us * 1e-6
+    step_s = max(compute_s + exposed_s + update_s, input_s)
     images_per_sec = num_gpus * batch / step_s
     epoch_s = workload.num_train_examples / images_per_sec
     eval_s, checkpoint_s = between_steps_s(workload, system, num_gpus)
@@ -305,7 +328,7 @@ def predict_point(workload: Workload, system: System, num_gpus: int) -> dict:
     return {"gpus": num_gpus, "nodes": math.ceil(num_gpus / system.gpus_per_node), "images_per_sec": images_per_sec,
             "per_gpu_images_per_sec": images_per_sec / num_gpus, "step_ms": step_s * 1e3,
             "compute_ms": compute_s * 1e3, "allreduce_ms": allreduce_total_s * 1e3, "exposed_ms": exposed_s * 1e3,
-            "input_bound": input_s > compute_s + exposed_s,
+            "update_ms": update_s * 1e3, "input_bound": input_s > compute_s + exposed_s + update_s,
             "eval_checkpoint_share": between_s / (epoch_s + between_s),
             # What NCCL picks for the step's largest gradient message (the algorithm "nccl" compares both).
             "nccl_algorithm": nccl_choice(max(buckets([s * workload.wire_factor for s, _ in workload.layers],

@@ -58,6 +58,26 @@ SYSTEMS = {
 }
 
 
+# Clusters of today's GPUs to plan on (docs/scaling.md plans r50_32gpu:amp on them), from spec sheets and
+# NCCL's constants, nothing calibrated: overlap_efficiency stays 1 (what the physics allows), input is not
+# modelled (DALI's GPU decoding, or synthetic data), and one NIC per node (DGX A100 has eight: set
+# inter_node_GBps to what yours has).
+_A100_NODE = dict(
+    gpus_per_node=8, gpu_images_per_sec=2375.0, intra_node_GBps=12 * 20.0, intra_node_latency_us=3.4,
+    inter_node_latency_us=NET_RING_STEP_US, host_copy_GBps=2 * PCIE3_X16_GBPS)
+_A100_SOURCES = {
+    "gpu_images_per_sec": "NVIDIA DeepLearningExamples resnet50v1.5 README @b2e7f4a2: 1 A100 40 GB, AMP + XLA, "
+                          "batch 256 (docs/gpu.md)",
+    "intra_node": "A100 SXM4: 12 NVLinks x NCCL topo.h SM80_NVLINK_BW 20 GB/s; ring step 3.4 us (tuning.cc NVLink)",
+    "host_copy_GBps": "PCIe Gen4 x16: twice NCCL topo.h PCI_BW (Gen3 x16, 12 GB/s)"}
+REFERENCE_SYSTEMS = {
+    "a100_ib_200g": plan_model.System(name="a100_ib_200g", inter_node_GBps=25.0, **_A100_NODE, sources={
+        **_A100_SOURCES, "inter_node": "one HDR InfiniBand NIC per node, 200 Gbit/s (25 GB/s); ring step 14 us"}),
+    "a100_eth_25g": plan_model.System(name="a100_eth_25g", inter_node_GBps=3.125, **_A100_NODE, sources={
+        **_A100_SOURCES, "inter_node": "25 Gbit/s Ethernet (3.125 GB/s), NCCL's network ring step 14 us (its "
+                                       "socket transport over TCP reaches less)"}),
+}
+
 @dataclasses.dataclass(frozen=True)
 class Series:
     """Published runs of one model and batch on one system: (GPUs, images/sec) points, one of them 1 GPU."""
