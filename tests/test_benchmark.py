@@ -210,10 +210,10 @@ def test_allreduce_mode_measures_every_size_and_the_models_gradients(backend, tm
     for row in [*report["allreduce"], report["model_gradients"]]:
         assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])  # 2 (n-1) / n = 1 for two replicas
-    from tfscale.model import models
+    from tfscale.model import build
 
     cfg = load_config("smoke")
-    model = models.create_from_config(cfg)
+    model = build.create_from_config(cfg)
     gradient_bytes = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
     assert report["model_gradients"]["size_bytes"] == gradient_bytes
     assert report["model_gradients"]["tensors"] == len(model.trainable_weights)

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tfscale import config as tfs_config
-from tfscale.model import models
+from tfscale.model import build, models
 from tfscale.model import stats as model_stats
 
 IMAGENET_NAMES = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
@@ -253,7 +253,7 @@ def test_create_from_config_reads_the_model_and_data_keys():
     cfg.model.bn_epsilon = 1e-3
     cfg.model.sync_bn = True
     cfg.model.data_format = "channels_first"
-    model = models.create_from_config(cfg)
+    model = build.create_from_config(cfg)
     assert model.name == "cifar_resnet8"
     assert tuple(model.inputs[0].shape) == (None, 24, 24, 3) and tuple(model.outputs[0].shape) == (None, 7)
     batch_norms = _batch_norm_layers(model, "")

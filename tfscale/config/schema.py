@@ -11,6 +11,7 @@ shows it. Durations are written in epochs (floats) and turned into steps only by
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 from tfscale.config.names import IMAGENET_1K_COUNTS
 from tfscale.errors import ConfigError
@@ -25,10 +26,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.profile_steps = ""  # "START,END": TensorFlow profiler trace of those global steps into tensorboard/
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "resnet50"  # key of tfscale.model.models.MODELS
-    c.model.zero_init_residual = True  # last BN gamma of each residual block starts at 0 (Goyal et al.)
-    c.model.bn_momentum = 0.9  # Keras BatchNormalization momentum (moving-average decay)
-    c.model.bn_epsilon = 1e-5  # BatchNormalization epsilon
+    # tfscale's ResNet (tfscale.model.models.MODELS), keras.applications.<Name>, or your builder:
+    # package.module:function or path/to/file.py:function (tfscale.model.build; docs/training.md)
+    c.model.name = "resnet50"
+    c.model.options = ml_collections.ConfigDict()  # keyword arguments of a keras.applications model or your builder
+    # None: the model's own. tfscale's ResNets: True (Goyal et al.), 0.9, 1e-5; other models keep their BatchNorm's.
+    c.model.zero_init_residual = config_dict.placeholder(bool)  # ResNets: last BN gamma of each residual block at 0
+    c.model.bn_momentum = config_dict.placeholder(float)  # Keras BatchNormalization momentum (moving-average decay)
+    c.model.bn_epsilon = config_dict.placeholder(float)  # BatchNormalization epsilon
     c.model.sync_bn = False  # BatchNorm statistics over all replicas (exact N x b == 1 x N*b; costs an all-reduce)
     c.model.bn_group_size = 0  # >0: BatchNorm statistics over groups of this many examples of each replica's batch
     c.model.data_format = "channels_last"  # channels_first can be faster on some GPUs; CPUs need last

@@ -27,6 +27,14 @@ def _require_choice(key: str, value: str, choices) -> None:
         raise ConfigError(f"config.{key}={value!r} is not one of: {', '.join(sorted(choices))}")
 
 
+def _check_model_name(name: str) -> None:
+    """The forms config.model.name takes (tfscale.model.build resolves the foreign ones once Keras is loaded)."""
+    if name in MODEL_NAMES or name.startswith("keras.applications.") or ":" in name:
+        return
+    raise ConfigError(f"config.model.name={name!r} is not one of tfscale's models ({', '.join(MODEL_NAMES)}), "
+                      "keras.applications.<Name>, package.module:function or path/to/file.py:function")
+
+
 def _require_positive(cfg: ml_collections.ConfigDict, keys) -> None:
     for key in keys:
         value = _get(cfg, key)
@@ -81,7 +89,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
     `num_replicas=None` checks what does not depend on the cluster (before one is waited for); with
     the replica count it also checks the batch split. Resolves `data.label_offset=-1` in place.
     """
-    _require_choice("model.name", cfg.model.name, MODEL_NAMES)
+    _check_model_name(cfg.model.name)
     _require_choice("optim.name", cfg.optim.name, OPTIMIZERS)
     _require_choice("data.dataset", cfg.data.dataset, DATASETS)
     _require_choice("data.augment", cfg.data.augment, AUGMENTS)

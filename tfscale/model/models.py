@@ -33,13 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import keras
 from keras import layers, ops
-
-if TYPE_CHECKING:
-    import ml_collections
 
 # Per-channel ImageNet statistics on the 0-255 scale (the values used by torchvision and TF official).
 IMAGENET_MEAN_RGB = (123.68, 116.78, 103.94)
@@ -369,22 +366,3 @@ def create(name: str, num_classes: int, input_shape: tuple[int, int, int], **opt
     if name not in MODELS:
         raise ValueError(f"Unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}")
     return MODELS[name](num_classes, input_shape, **options)
-
-
-def create_from_config(cfg: ml_collections.ConfigDict) -> keras.Model:
-    """The model a tfscale config describes; call it inside the strategy scope.
-
-    ``cfg.model.name`` with the ``cfg.model`` options, ``cfg.data.num_classes`` logits and square RGB
-    input of ``cfg.data.image_size`` pixels, normalised with the ImageNet statistics.
-    """
-    return create(
-        cfg.model.name,
-        num_classes=cfg.data.num_classes,
-        input_shape=(cfg.data.image_size, cfg.data.image_size, 3),
-        zero_init_residual=cfg.model.zero_init_residual,
-        bn_momentum=cfg.model.bn_momentum,
-        bn_epsilon=cfg.model.bn_epsilon,
-        data_format=cfg.model.data_format,
-        sync_bn=cfg.model.sync_bn,
-        bn_group_size=cfg.model.bn_group_size,
-    )

@@ -95,10 +95,9 @@ def model_layers(cfg) -> tuple[list[tuple[int, int]], int, int]:
     the bytes of its non-trainable float weights (BatchNorm's moving statistics) and its trainable variables."""
     import numpy as np
 
-    from tfscale.model import stats  # Keras, only when a config's model is planned
-    from tfscale.model import models
+    from tfscale.model import build, stats  # Keras, only when a config's model is planned
 
-    model = models.create_from_config(cfg)
+    model = build.create_from_config(cfg)
     frozen = sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in model.non_trainable_weights)
     return stats.layer_costs(model), int(frozen), len(model.trainable_variables)
 
@@ -189,11 +188,14 @@ def resolve_system(name_or_path: str, model: str, per_gpu_batch: int) -> System:
     return load_system(name_or_path)
 
 
-def measured_overrides(benchmark_json: str, allreduce_json: str) -> dict:
-    """System fields from tfscale-bench reports: the one-GPU rate, and the link the all-reduce table shows."""
+def measured_overrides(benchmark_json: str, allreduce_json: str, workload: Workload | None = None) -> dict:
+    """System fields from tfscale-bench reports: the one-GPU rate, and the link the all-reduce table shows.
+    With `workload`, the benchmark must have run its model at its batch per GPU."""
     overrides = {}
     if benchmark_json:
         report = _read_report(benchmark_json, "total_images_per_sec")
+        if workload is not None:
+            _check_same_step(benchmark_json, report, workload)
         if report["num_replicas"] != 1:
             raise ValueError(f"--benchmark_json={benchmark_json} ran on {report['num_replicas']} replicas; "
                              "the plan's reference is one GPU (run tfscale-bench with one worker)")
@@ -206,6 +208,13 @@ def measured_overrides(benchmark_json: str, allreduce_json: str) -> dict:
         bandwidth, latency = link_from_allreduce(report["allreduce"], report["num_replicas"])
         overrides.update(intra_node_GBps=bandwidth, intra_node_latency_us=latency)
     return overrides
+
+
+def _check_same_step(path: str, report: dict, workload: Workload) -> None:
+    ran = (report.get("model"), report.get("per_worker_batch_size"))
+    if ran != (workload.model, workload.per_gpu_batch):
+        raise ValueError(f"--benchmark_json={path} ran {ran[0]} at {ran[1]} images per GPU; the plan is of "
+                         f"{workload.model} at {workload.per_gpu_batch} (set --per_gpu_batch, or benchmark that config)")
 
 
 def _read_report(path: str, key: str) -> dict:
@@ -223,7 +232,7 @@ def _read_report(path: str, key: str) -> dict:
 def run_plan(cfg, flags_) -> list[dict]:
     workload = workload_from_config(cfg, per_gpu_batch=flags_.per_gpu_batch)
     system = resolve_system(flags_.system, workload.model, workload.per_gpu_batch)
-    overrides = measured_overrides(flags_.benchmark_json, flags_.allreduce_json)
+    overrides = measured_overrides(flags_.benchmark_json, flags_.allreduce_json, workload)
     if flags_.gpu_images_per_sec:
         overrides["gpu_images_per_sec"] = flags_.gpu_images_per_sec
     system = dataclasses.replace(system, **overrides)

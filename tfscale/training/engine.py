@@ -38,7 +38,7 @@ from tfscale.data.input import info as data_info
 from tfscale.data.input import loaders
 from tfscale.data.stage import prepare
 from tfscale.launch import launcher_death
-from tfscale.model import models, optim, stats
+from tfscale.model import build, optim, stats
 from tfscale.model import update as compiled_update
 
 
@@ -66,6 +66,7 @@ def join(cfg: ml_collections.ConfigDict) -> distribute.Cluster:
     data_info.adopt(cfg.data, found, chosen=cli.command_line_keys())
     validation.validate(cfg)
     data_info.check_tfds_counts(cfg.data, found)
+    build.check(cfg)  # a model tfscale did not define is built once, in a graph of its own, before connecting
     cluster = distribute.setup(cfg.distribute)
     validation.validate(cfg, num_replicas=cluster.num_replicas)
     data_info.check_tfds_files(cfg.data, num_workers=cluster.size)
@@ -118,7 +119,7 @@ def precision_policy(precision: str):
 
 def build_model(cfg: ml_collections.ConfigDict) -> keras.Model:
     """The configured model (under the current dtype policy); inside a strategy scope to distribute it."""
-    return models.create_from_config(cfg)
+    return build.create_from_config(cfg)
 
 
 def build_optimizer(cfg: ml_collections.ConfigDict, model: keras.Model, *,
@@ -146,7 +147,9 @@ def build_model_and_optimizer(cfg: ml_collections.ConfigDict, cluster) -> tuple[
     model.optimizer = optimizer
     model.stop_training = False
     info = stats.describe(model)
-    logging.info("model %s: %d parameters, %.3g GFLOPs/image", cfg.model.name, info["params"], info["flops_per_image"] / 1e9)
+    logging.info("model %s: %d parameters (%d trainable: %.1f MB of gradients a step), %.3g GFLOPs/image",
+                 cfg.model.name, info["params"], info["trainable_params"], info["gradient_bytes"] / 1e6,
+                 info["flops_per_image"] / 1e9)
     return model, optimizer
 
 

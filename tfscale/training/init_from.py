@@ -5,7 +5,9 @@ Sources `init_from` accepts:
     of classes) and its latest checkpoint in `checkpoints/` fills it;
   * a checkpoint prefix inside a workdir (`W/checkpoints/ckpt-60`): the same, with that checkpoint;
   * a `.keras` model file (e.g. `tfscale.export`'s `model.keras`);
-  * a `.weights.h5` file written by `model.save_weights` for the same architecture.
+  * a `.weights.h5` file written by `model.save_weights` for the same architecture;
+  * for a keras.applications model, a Keras 2 `.h5` weights file of that application (e.g. its ImageNet
+    weights, with or without the top, downloaded elsewhere: tfscale never downloads).
 
 Weights are matched by layer name and position within the layer, which is how Keras' own weight
 files index them, and copied only when the shapes agree. `init_skip_head` leaves the classifier
@@ -30,6 +32,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale.errors import ConfigError
+from tfscale.model import build
 from tfscale.model import models  # noqa: F401  (registers ImageNormalization for .keras sources)
 from tfscale.training import checkpoints
 from tfscale.workdir import layout
@@ -210,7 +213,10 @@ def apply(cfg: ml_collections.ConfigDict, model: keras.Model, build_model: Build
     if not path:
         return None
     try:
-        source = source_weights(path, build_model)
+        if path.endswith(".h5") and not path.endswith(_WEIGHTS_SUFFIX) and os.path.isfile(path):
+            source = build.application_weights(cfg, path)
+        else:
+            source = source_weights(path, build_model)
     except FileNotFoundError as err:  # e.g. a source workdir without checkpoints: the user's to fix
         raise ConfigError(f"config.model.init_from={path!r}: {err}") from err
     report = load_weights(model, source, skip_head=cfg.model.init_skip_head, where=path)
