@@ -192,3 +192,24 @@ def test_tfds_split_of_fewer_files_than_workers_is_refused_by_name(imagenet_tfds
     validation.validate(cfg)
     with pytest.raises(ValueError, match=r"`num_shards=1` but `num_input_pipelines=2`"):
         pipeline.train_input_fn(cfg.data, seed=0, start_step=0)(two_workers)
+
+
+def test_the_finetune_recipe_starts_an_application_from_its_keras_weights_file(photo_shards, tmp_path):
+    """configs/finetune_app.py on the converted photo tree, from an EfficientNetV2B0 weights file in the Keras 2
+    .h5 form Keras distributes ImageNet weights in (written here from a fresh model: nothing is downloaded)."""
+    weights = tmp_path / "efficientnetv2-b0_notop.h5"
+    make_weights = ("import keras, sys; keras.applications.EfficientNetV2B0(include_top=False, weights=None, "
+                    "input_shape=(64, 64, 3), include_preprocessing=False).save(sys.argv[1])")
+    subprocess.run([sys.executable, "-c", make_weights, str(weights)], check=True, capture_output=True, timeout=300)
+    result = subprocess.run(
+        train_command() + ["--config=finetune_app", "--workdir=runs/ft", f"--config.data.data_dir={photo_shards}",
+                           f"--config.model.init_from={weights}", "--config.data.image_size=64",
+                           "--config.schedule.warmup_epochs=0.2", *FEW_STEPS],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=600, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = [line for line in log_lines(result.stderr, "init_from") if line.startswith(f"init_from {weights}")]
+    assert loaded and loaded[0].endswith("re-initialised logits/kernel, logits/bias"), loaded
+    summary = json.loads((tmp_path / "runs" / "ft" / layout.SUMMARY).read_text())
+    assert summary["steps"] == 5 and "eval_top1" in summary
+    recorded = json.loads((tmp_path / "runs" / "ft" / layout.CONFIG).read_text())
+    assert (recorded["model"]["name"], recorded["data"]["num_classes"]) == ("keras.applications.EfficientNetV2B0", 10)
