@@ -5,6 +5,7 @@ layers, their size in the start-up line and the planner, init_from their own wei
 refusal through the real `tfscale.train` command line: one line, exit code 1, no traceback.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -223,7 +224,6 @@ def test_a_model_tfscale_cannot_train_is_refused_at_start_up(case, overrides, me
                                                  ("xla", "float32")])
 def test_a_gpu_variant_trains_an_application_through_the_cli(variant, precision, tmp_path):
     """The GPU recipes' precision + XLA on a keras.applications model (on CPU here, slowly)."""
-    import json
     import math
 
     result = subprocess.run(
@@ -254,6 +254,9 @@ def test_the_benchmark_measures_an_application_and_the_planner_predicts_it_from_
     assert "total images/sec:" in bench.stdout
     gradient_mb = stats.describe(build.create_from_config(load_config("smoke", *model[1:])))["gradient_bytes"] / 1e6
     assert f"{gradient_mb:.1f} MB of gradients a step" in bench.stderr  # the start-up line
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    assert report["model_size"]["gradient_bytes"] / 1e6 == pytest.approx(gradient_mb)
+    assert report["model_size"]["flops_per_image"] > 0
     plan_args = [sys.executable, "-m", "tfscale.perf.plan", *model, "--system=a100_ib_200g", "--gpus=1,16",
                  f"--benchmark_json={tmp_path / 'benchmark.json'}"]
     planned = subprocess.run([*plan_args, "--per_gpu_batch=4"], cwd=REPO, env=quiet_env(), capture_output=True,

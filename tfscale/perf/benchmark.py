@@ -51,6 +51,7 @@ from absl import logging
 
 from tfscale import io
 from tfscale.data.input import faults, loaders
+from tfscale.model import stats
 from tfscale.perf import allreduce_bench
 from tfscale.training import callbacks as tfs_callbacks
 from tfscale.training import engine
@@ -253,6 +254,7 @@ def run_step_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[di
         breakdown = breakdown_ms(cfg, cluster, model, optimizer, next_batch(), steps)
     per_worker = _gather_rates(cluster, steps, per_worker_batch, cfg.benchmark.num_warmup_batches)
     report = _step_report(cfg, cluster, steps, per_worker, breakdown, fit_comparison)
+    report["model_size"] = stats.describe(model)  # parameters, gradient bytes, FLOPs: what tfscale-plan sends
     if cfg.benchmark.with_allreduce:  # a scaling sweep's point: the all-reduce table of the same job too
 
         report.update(allreduce_bench.measure_all(cluster, model, cfg.benchmark))
