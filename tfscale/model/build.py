@@ -41,7 +41,6 @@ from tfscale.model import models
 
 if TYPE_CHECKING:
     import ml_collections
-    import numpy as np
 
 APPLICATION_PREFIX = "keras.applications."
 # Applications whose preprocessing is built in without a switch: they take 0-255 values.
@@ -140,22 +139,22 @@ def _load_module(name: str, target: str):
                           f"{type(err).__name__}: {err}") from None
 
 
-def application_weights(cfg: ml_collections.ConfigDict, path: str) -> dict[tuple[str, int], "np.ndarray"]:
-    """The weights of a Keras 2 `.h5` file of the config's keras.applications model (its ImageNet weights
-    downloaded elsewhere, with or without the top), by layer name and position as `init_from` matches them."""
+def application_with_weights(cfg: ml_collections.ConfigDict, path: str) -> keras.Model:
+    """The config's keras.applications model without its top, holding the weights of a Keras 2 `.h5` file (its
+    ImageNet weights downloaded elsewhere, with or without the top): a source for `init_from`."""
     name = cfg.model.name
     if kind(name) != "application":
         raise ConfigError(f"config.model.init_from={path!r}: a Keras 2 .h5 weights file loads into keras.applications "
                           f"models only, not config.model.name={name!r}: save the weights with model.save_weights "
                           "as a .weights.h5 file")
-    options = cfg.model.options.to_dict() if cfg.model.get("options") else {}
-    backbone = _backbone(name[len(APPLICATION_PREFIX):], (cfg.data.image_size, cfg.data.image_size, 3), **options)
+    backbone = _backbone(name[len(APPLICATION_PREFIX):], (cfg.data.image_size, cfg.data.image_size, 3),
+                         **_options(cfg.model))
     try:
         backbone.load_weights(path, skip_mismatch=False)
     except Exception as err:  # not an h5 file, or another architecture's
         raise ConfigError(f"config.model.init_from={path!r}: not weights of {name} without its top: "
                           f"{type(err).__name__}: {' '.join(str(err).split())[:300]}") from None
-    return {(layer.name, i): w.numpy() for layer in backbone.layers for i, w in enumerate(layer.weights)}
+    return backbone
 
 
 # --- options and BatchNorm ---------------------------------------------------------------------------
@@ -167,6 +166,11 @@ def _resnet_options(model_cfg) -> dict:
               "bn_epsilon": model_cfg.bn_epsilon}
     return {**{k: v for k, v in chosen.items() if v is not None}, "data_format": model_cfg.data_format,
             "sync_bn": model_cfg.sync_bn, "bn_group_size": model_cfg.bn_group_size}
+
+
+def _options(model_cfg) -> dict:
+    """config.model.options as keyword arguments (a run's config.json from before the key: none)."""
+    return model_cfg.options.to_dict() if model_cfg.get("options") else {}
 
 
 def _check_no_options(name: str, options: dict) -> None:
@@ -226,7 +230,7 @@ def create_from_config(cfg: ml_collections.ConfigDict) -> keras.Model:
     """
     model_cfg = cfg.model
     input_shape = (cfg.data.image_size, cfg.data.image_size, 3)
-    options = model_cfg.options.to_dict() if model_cfg.get("options") else {}
+    options = _options(model_cfg)
     builder = resolve(model_cfg.name)
     if kind(model_cfg.name) == "tfscale":
         _check_no_options(model_cfg.name, options)
@@ -272,7 +276,7 @@ def check(cfg: ml_collections.ConfigDict) -> None:
     A graph of its own keeps TensorFlow's eager context (and so the strategy to come) untouched.
     """
     if kind(cfg.model.name) == "tfscale":
-        _check_no_options(cfg.model.name, cfg.model.options.to_dict() if cfg.model.get("options") else {})
+        _check_no_options(cfg.model.name, _options(cfg.model))
         return
     with tf.Graph().as_default():
         create_from_config(cfg)

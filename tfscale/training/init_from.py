@@ -214,7 +214,7 @@ def apply(cfg: ml_collections.ConfigDict, model: keras.Model, build_model: Build
         return None
     try:
         if path.endswith(".h5") and not path.endswith(_WEIGHTS_SUFFIX) and os.path.isfile(path):
-            source = build.application_weights(cfg, path)
+            source = model_weights(build.application_with_weights(cfg, path))
         else:
             source = source_weights(path, build_model)
     except FileNotFoundError as err:  # e.g. a source workdir without checkpoints: the user's to fix
