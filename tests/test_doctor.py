@@ -66,7 +66,8 @@ def test_a_gpu_node_whose_tensorflow_sees_no_gpu_fails_naming_the_wheel():
     assert result.returncode == 1
     status, detail = check_lines(result.stdout)["gpus"]
     assert status == "FAIL"
-    assert detail.startswith("the node has 4 GPU(s) but TensorFlow sees none: this TensorFlow is built without CUDA")
+    assert detail.startswith(f"the node has 4 GPU(s) (SLURM_GPUS_ON_NODE=4) but TensorFlow sees none: the Python "
+                             f"environment {sys.prefix} has a TensorFlow built without CUDA (tensorflow-cpu")
     assert result.stdout.strip().splitlines()[-1] == "summary: 0 pass, 1 fail, 0 n/a"
 
 

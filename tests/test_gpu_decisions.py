@@ -69,6 +69,77 @@ def test_more_workers_than_gpus_on_a_node_stops_before_connecting():
     assert "--ntasks-per-node=2" in report["config_error"]
 
 
+# --- a GPU node whose TensorFlow sees no GPU: refused before connecting --------------------------------------
+
+
+def fake_dev(tmp_path, *names):
+    """A stand-in for a node's /dev with these device files."""
+    dev = tmp_path / "dev"
+    dev.mkdir(parents=True)
+    for name in names:
+        (dev / name).touch()
+    return str(dev)
+
+
+def test_the_nvidia_device_files_count_gpus_and_the_driver_files_do_not(tmp_path):
+    dev = fake_dev(tmp_path, "nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-modeset", "null")
+    assert devices.node_gpu_evidence({}, dev) == (2, f"2 NVIDIA device file(s), {dev}/nvidia0 .. nvidia1")
+    assert devices.node_gpu_evidence({}, fake_dev(tmp_path / "x", "nvidiactl")) == (0, "")
+    # Slurm's count of the task's GPUs wins over the device files (a job may hold 2 of a node's 8).
+    assert devices.node_gpu_evidence({"SLURM_GPUS_ON_NODE": "2"}, dev) == (2, "SLURM_GPUS_ON_NODE=2")
+    assert devices.node_gpu_evidence({"SLURM_GPUS_ON_NODE": "0"}, str(tmp_path / "absent")) == (0, "")
+
+
+def test_a_cpu_venv_on_a_gpu_node_is_refused_naming_the_venv_and_tensorflow_cpu(tmp_path):
+    dev = fake_dev(tmp_path, "nvidia0")
+    problem = devices.hidden_gpus_problem(0, cuda_build=False, env={}, dev_dir=dev, venv="/home/u/tfscale/.venv")
+    assert problem.startswith(f"the node has 1 GPU(s) (1 NVIDIA device file(s), {dev}/nvidia0) but TensorFlow sees "
+                              "none: the Python environment /home/u/tfscale/.venv has a TensorFlow built without "
+                              "CUDA (tensorflow-cpu")
+    assert "make TF_EXTRA=gpu VENV=.venv-gpu venv" in problem and "CUDA_VISIBLE_DEVICES=-1" in problem
+    # A CUDA build that found no GPU: the driver or CUDA did not load, which is a different fix.
+    problem = devices.hidden_gpus_problem(0, cuda_build=True, env={"SLURM_GPUS_ON_NODE": "4"}, dev_dir=dev)
+    assert "(SLURM_GPUS_ON_NODE=4) but TensorFlow sees none" in problem
+    assert "CUDA or the NVIDIA driver did not load" in problem and "TF_CPP_MIN_LOG_LEVEL=0" in problem
+
+
+@pytest.mark.parametrize("env, num_seen", [
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, 0),  # hidden on purpose
+    ({"CUDA_VISIBLE_DEVICES": ""}, 0),
+    ({}, 1),  # TensorFlow sees the GPU
+])
+def test_gpus_hidden_on_purpose_or_seen_are_not_refused(tmp_path, env, num_seen):
+    dev = fake_dev(tmp_path, "nvidia0")
+    assert devices.hidden_gpus_problem(num_seen, cuda_build=False, env={**env, "SLURM_GPUS_ON_NODE": "1"},
+                                       dev_dir=dev) is None
+
+
+@pytest.mark.parametrize("backend", ["mwms", "horovod"])
+def test_a_worker_that_sees_no_gpu_where_slurm_allocated_some_stops_before_connecting(backend):
+    # This machine's tensorflow-cpu sees no GPU; Slurm says the task has 4. MWMS would contact the workers of
+    # TF_CONFIG (never started here) and Horovod would join its rendezvous: the refusal comes first.
+    workers = ["127.0.0.1:1", "127.0.0.1:2"]
+    tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": 0}})
+    report = setup_with_gpus(0, backend, TF_CONFIG=tf_config, SLURM_GPUS_ON_NODE="4", SLURM_LOCALID="0")
+    assert report["calls"] == []  # not even memory growth: nothing of the GPU set-up ran
+    assert report["config_error"].startswith("the node has 4 GPU(s) (SLURM_GPUS_ON_NODE=4) but TensorFlow sees none: "
+                                             f"the Python environment {sys.prefix} has a TensorFlow built without CUDA")
+
+
+def test_train_on_a_node_with_gpus_it_cannot_see_exits_with_one_line_and_writes_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "SLURM_GPUS_ON_NODE": "2"})
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert f"the node has 2 GPU(s) (SLURM_GPUS_ON_NODE=2) but TensorFlow sees none: the Python environment " \
+           f"{sys.prefix} has a TensorFlow built without CUDA" in result.stderr
+    assert not (workdir / layout.CONFIG).exists()
+    # The same node with the GPUs hidden on purpose trains on the CPU.
+    assert devices.hidden_gpus_problem(0, False, {"SLURM_GPUS_ON_NODE": "2", "CUDA_VISIBLE_DEVICES": "-1"}) is None
+
+
 @pytest.mark.parametrize("num_gpus, local_rank, kept", [(0, 3, None), (1, 3, None), (4, 0, 0), (4, 3, 3)])
 def test_gpu_for_local_rank(num_gpus, local_rank, kept):
     # One visible GPU is the scheduler's choice (--gpus-per-task): kept whatever the local rank.

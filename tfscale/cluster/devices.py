@@ -82,6 +82,75 @@ def horovod_host_copy_warning(num_gpus: int, nccl_built: Any) -> str | None:
             "it with `make horovod-gpu` (HOROVOD_GPU_OPERATIONS=NCCL; docs/horovod.md)")
 
 
+# --- GPUs the node has that TensorFlow does not see ----------------------------------------------------
+
+# CUDA_VISIBLE_DEVICES values that hide every GPU on purpose: a CPU run on a GPU node is then the user's choice.
+CPU_ON_PURPOSE = ("", "-1")
+
+
+def node_gpu_evidence(env: Mapping[str, str] | None = None, dev_dir: str = "/dev") -> tuple[int, str]:
+    """(GPUs this task should have, what says so) whatever TensorFlow sees; (0, "") when nothing does.
+
+    Slurm's count of the task's GPUs first (SLURM_GPUS_ON_NODE, set with --gpus*/--gres=gpu), else the
+    NVIDIA driver's device files (/dev/nvidia0, /dev/nvidia1, ...; /dev/nvidiactl and /dev/nvidia-uvm are
+    not GPUs). `dev_dir` lets tests stand in a node's /dev.
+    """
+    env = os.environ if env is None else env
+    for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        count = env.get(key, "")
+        if count.isdigit() and int(count) > 0:
+            return int(count), f"{key}={count}"
+    try:
+        names = sorted(n for n in os.listdir(dev_dir) if n.startswith("nvidia") and n[len("nvidia"):].isdigit())
+    except OSError:
+        return 0, ""
+    if not names:
+        return 0, ""
+    shown = os.path.join(dev_dir, names[0]) + (f" .. {names[-1]}" if len(names) > 1 else "")
+    return len(names), f"{len(names)} NVIDIA device file(s), {shown}"
+
+
+def hidden_gpus_problem(num_seen: int, cuda_build: bool, env: Mapping[str, str] | None = None,
+                        dev_dir: str = "/dev", venv: str = "") -> str | None:
+    """Why a task must not start when the node has GPUs and TensorFlow sees none (None: nothing wrong).
+
+    Training on 32 CPUs instead of 32 GPUs runs ~100x slower and says nothing: TensorFlow's one warning
+    goes to the C++ log that the sbatch templates quiet. CUDA_VISIBLE_DEVICES="" or -1 hides the GPUs
+    on purpose and is respected. `cuda_build` is tf.test.is_built_with_cuda(); `venv` the environment's
+    prefix, named in the message.
+    """
+    env = os.environ if env is None else env
+    if num_seen or env.get("CUDA_VISIBLE_DEVICES", None) in CPU_ON_PURPOSE:
+        return None
+    expected, evidence = node_gpu_evidence(env, dev_dir)
+    if not expected:
+        return None
+    where = f"the Python environment {venv}" if venv else "this Python environment"
+    if not cuda_build:
+        why = (f"{where} has a TensorFlow built without CUDA (tensorflow-cpu, e.g. the venv of `make demo` or "
+               "`make test`). Point the job at a GPU environment: `make TF_EXTRA=gpu VENV=.venv-gpu venv` "
+               "(+ horovod-gpu), and VENV=.venv-gpu in the job script (tools/make_sbatch.py --venv)")
+    else:
+        visible = env.get("CUDA_VISIBLE_DEVICES", "(unset)")
+        why = (f"{where} has TensorFlow with CUDA, but CUDA or the NVIDIA driver did not load (run with "
+               f"TF_CPP_MIN_LOG_LEVEL=0 to see TensorFlow's reason; check the CUDA module and the driver; "
+               f"CUDA_VISIBLE_DEVICES={visible})")
+    return (f"the node has {expected} GPU(s) ({evidence}) but TensorFlow sees none: {why}. Training on the CPU "
+            "instead would be ~100x slower; to do it on purpose, set CUDA_VISIBLE_DEVICES=-1")
+
+
+def require_visible_gpus(env: Mapping[str, str] | None = None) -> None:
+    """Raises ConfigError (`hidden_gpus_problem`) before a worker connects anywhere: what TensorFlow sees."""
+    import sys
+
+    import tensorflow as tf
+
+    num_seen = len(tf.config.list_physical_devices("GPU"))
+    problem = hidden_gpus_problem(num_seen, tf.test.is_built_with_cuda(), env, venv=sys.prefix)
+    if problem:
+        raise ConfigError(problem)
+
+
 def prepare_gpus(local_rank: int | None, host: str = "", api: Any = None) -> list:
     """Keeps this worker's GPU (`local_rank` given and several visible), then turns memory growth on.
 

@@ -141,9 +141,15 @@ class Cluster:
 # --- setup ----------------------------------------------------------------------------------------
 
 
-def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None) -> Cluster:
-    """Builds the strategy for `dist_cfg.backend`, checks the cluster answers, logs the topology."""
+def setup(dist_cfg: ml_collections.ConfigDict, env: dict | None = None, allow_hidden_gpus: bool = False) -> Cluster:
+    """Builds the strategy for `dist_cfg.backend`, checks the cluster answers, logs the topology.
+
+    First refuses a node whose GPUs TensorFlow cannot see (`devices.require_visible_gpus`), before any worker
+    connects; `allow_hidden_gpus` is the doctor's, which reports that itself.
+    """
     env = dict(os.environ if env is None else env)
+    if not allow_hidden_gpus:
+        devices.require_visible_gpus(env)
     if dist_cfg.backend in ("one_device", "mirrored"):
         gpus = devices.prepare_gpus(local_rank=None)  # memory growth; this process uses every GPU it sees
         strategy = _one_device_strategy() if dist_cfg.backend == "one_device" else _mirrored_strategy(dist_cfg)

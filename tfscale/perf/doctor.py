@@ -31,7 +31,6 @@ from tfscale.config import validation
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
 import dataclasses
-import glob
 import importlib.metadata
 import importlib.util
 import io as std_io
@@ -86,15 +85,6 @@ class Check:
 # --- what the node has -------------------------------------------------------------------------------------
 
 
-def node_gpu_count(env=None) -> int:
-    """GPUs the node (or Slurm) says this task has, whatever TensorFlow sees: 0 when nothing says so."""
-    env = os.environ if env is None else env
-    for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
-        if env.get(key, "").isdigit():
-            return int(env[key])
-    return len(glob.glob("/dev/nvidia[0-9]*"))
-
-
 def gpu_name(gpu) -> str:
     details = tf.config.experimental.get_device_details(gpu)
     capability = details.get("compute_capability")
@@ -111,14 +101,11 @@ def published_figure(name: str) -> tuple | None:
 
 def check_gpus(gpus: list, tasks_per_node: int) -> Check:
     if not gpus:
-        expected = node_gpu_count()
-        if not expected:
-            return Check("gpus", NA, "no GPU on this node (nothing in /dev/nvidia*, no SLURM_GPUS_ON_NODE)")
-        why = ("this TensorFlow is built without CUDA (tensorflow-cpu?): install tfscale[gpu] "
-               "(`make TF_EXTRA=gpu VENV=...`)" if not tf.test.is_built_with_cuda() else
-               "CUDA or the driver did not load (TF_CPP_MIN_LOG_LEVEL=0 shows why; check the CUDA module and "
-               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")
-        return Check("gpus", FAIL, f"the node has {expected} GPU(s) but TensorFlow sees none: {why}")
+        problem = devices.hidden_gpus_problem(0, tf.test.is_built_with_cuda(), venv=sys.prefix)
+        if problem:
+            return Check("gpus", FAIL, problem)
+        return Check("gpus", NA, "no GPU on this node (nothing in /dev/nvidia*, no SLURM_GPUS_ON_NODE), or "
+                                 "CUDA_VISIBLE_DEVICES hides them")
     names = [gpu_name(g) for g in gpus]
     try:
         pins = [devices.gpu_for_local_rank(len(gpus), rank) for rank in range(tasks_per_node)]
@@ -336,7 +323,8 @@ def run_checks(tasks_per_node: int = 0, collective_impl: str = "AUTO", only: lis
     unknown = set(only or ()) - set(CHECK_NAMES)
     if unknown:
         raise app.UsageError(f"--only: no check named {', '.join(sorted(unknown))} (checks: {', '.join(CHECK_NAMES)})")
-    cluster = distribute.setup(tfs_config.base_config().distribute)  # one_device: memory growth on, first
+    # one_device: memory growth on, first; a node whose GPUs TensorFlow cannot see is the gpus check's finding
+    cluster = distribute.setup(tfs_config.base_config().distribute, allow_hidden_gpus=True)
     gpus = tf.config.list_physical_devices("GPU")
     checks = []
     for name, run in steps:
