@@ -23,6 +23,49 @@ R50_ON_4_GPUS = "--config.data.global_batch_size=512"
 R50_ON_8_GPUS = "--config.data.global_batch_size=1024"
 
 
+def fake_venv(root, wheel: str, cuda_build: bool) -> str:
+    """A venv's files as make_sbatch reads them: TensorFlow's dist-info and build_info.py, nothing that runs."""
+    site = root / "lib" / "python3.11" / "site-packages"
+    (site / "tensorflow" / "python" / "platform").mkdir(parents=True)
+    (site / f"{wheel.replace('-', '_')}-2.21.0.dist-info").mkdir()
+    (site / "tensorflow" / "python" / "platform" / "build_info.py").write_text(
+        f"build_info = collections.OrderedDict([('is_cuda_build', {cuda_build}), ('is_rocm_build', False)])\n")
+    return str(root)
+
+
+@pytest.fixture(autouse=True)
+def gpu_venv(tmp_path_factory, monkeypatch):
+    """make_sbatch's default --venv is the Python running it, this CPU venv: GPU jobs get a GPU venv's files."""
+    venv = fake_venv(tmp_path_factory.mktemp("venv-gpu"), "tensorflow", cuda_build=True)
+    monkeypatch.setattr(make_sbatch, "DEFAULT_VENV", venv)
+    return venv
+
+
+def test_a_gpu_job_is_refused_a_venv_whose_tensorflow_has_no_cuda(tmp_path, capsys):
+    args = [f"--config={R50_32GPU}", "--nodes=8", "--gpus_per_node=4", "--backend=mwms", "--config.data.dataset=synthetic",
+            f"--output={tmp_path / 'job.sbatch'}"]
+    cpu_venv = fake_venv(tmp_path / "venv", "tensorflow-cpu", cuda_build=False)
+    assert make_sbatch.main([*args, f"--venv={cpu_venv}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"make_sbatch: --venv={cpu_venv} has tensorflow-cpu, a TensorFlow without CUDA: the job's "
+                          "4 GPUs per node would sit idle")
+    assert "--venv=.venv-gpu" in err and not (tmp_path / "job.sbatch").exists()
+    # The Python running make_sbatch, when it is a CPU venv (after `make demo`), is named as the default.
+    make_sbatch.DEFAULT_VENV = cpu_venv
+    assert make_sbatch.main(args) == 2
+    assert "(the default: the Python running make_sbatch) has tensorflow-cpu" in capsys.readouterr().err
+    # The same venv is right for CPU-only nodes; a GPU venv passes and is named in the summary.
+    assert make_sbatch.main([*args[:2], "--gpus_per_node=0", "--tasks_per_node=4", *args[3:]]) == 0
+    gpu_venv = fake_venv(tmp_path / "venv-gpu", "tensorflow", cuda_build=True)
+    assert make_sbatch.main([*args, f"--venv={gpu_venv}"]) == 0
+    assert f"--venv={gpu_venv}: tensorflow with CUDA" in capsys.readouterr().out
+    # This machine's own venv, read the same way: tensorflow-cpu, no CUDA.
+    assert make_sbatch.venv_tensorflow(sys.prefix) == ("tensorflow-cpu", False)
+    # A venv that is not on this machine (or takes TensorFlow from a module) cannot be read: said, not refused.
+    assert make_sbatch.main([*args, "--venv=/cluster/envs/tf"]) == 0
+    assert "--venv=/cluster/envs/tf: no TensorFlow in its site-packages here, not checked" in capsys.readouterr().out
+
+
 @pytest.fixture
 def shards(tmp_path):
     """A directory for --data_dir (make_sbatch checks that it exists; it reads no file in it)."""
@@ -118,7 +161,7 @@ def test_eight_nodes_four_gpus_for_the_32_gpu_recipe(tmp_path, capsys, shards):
         "CONFIG": R50_32GPU, "CONFIG_OVERRIDES": "--config.optim.lr_per_256=0.1 --config.train.epochs=90.5",
         "WORKDIR": "/shared/runs/r50", "DATA_DIR": shards,
         "STAGE_DIR": "/local/tmp/in net",  # $TMPDIR expands on the node; the space survives quoting
-        "LAUNCHER": "srun-pmix", "VENV": make_sbatch.sys.prefix,
+        "LAUNCHER": "srun-pmix", "VENV": make_sbatch.DEFAULT_VENV,
     }
     assert_shellcheck_clean(tmp_path / "job.sbatch")
 

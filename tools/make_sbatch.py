@@ -32,6 +32,7 @@ The script is the template with its #SBATCH lines and its EDIT HERE block filled
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import shlex
@@ -49,6 +50,7 @@ TEMPLATES = {"mwms": os.path.join(REPO, "slurm", "mwms.sbatch"),
              "horovod": os.path.join(REPO, "slurm", "horovod.sbatch")}
 LAUNCHERS = ("srun-pmix", "horovodrun-gloo")
 FILE_DATASETS = ("tfrecord", "tfds")  # config.data.dataset values read from config.data.data_dir
+DEFAULT_VENV = sys.prefix  # the environment running make_sbatch: after `make demo` that is the CPU venv
 DEFAULT_GPU_CPUS_PER_TASK = 8  # input pipeline threads per GPU: JPEG decoding needs several cores
 _SBATCH_LINE = re.compile(r"^#{1,2}SBATCH\s+--([\w-]+)(?:=(.*))?$")
 _EDIT_BEGIN, _EDIT_END = "# =====", "# ====="  # the EDIT HERE block sits between two such rulers
@@ -98,7 +100,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--doctor", default="", help="'all' or a list of tfscale-doctor checks (e.g. gpus,horovod) "
                         "to run on every node before training; a failed check stops the job. '' skips it")
     parser.add_argument("--tfscale_dir", default=REPO, help="tfscale checkout on the cluster; default: this one")
-    parser.add_argument("--venv", default=sys.prefix, help="Python environment on the cluster; default: this one")
+    parser.add_argument("--venv", default=DEFAULT_VENV, help="Python environment on the cluster; default: this one "
+                        "(GPU jobs need a tensorflow[and-cuda] one: make TF_EXTRA=gpu VENV=.venv-gpu venv)")
     parser.add_argument("--output", help="script to write; default: tfscale-<config name>-<backend>-<N>x<T>.sbatch")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
     if bool(args.config) == bool(args.study):
@@ -169,6 +172,40 @@ def check_data_request(cfg, args: argparse.Namespace, overrides: list[str]) -> N
                          "the job queues, so run it where the shared file system is mounted")
     if args.data_dir and args.stage_dir and cfg.data.dataset == "tfds":
         raise UsageError("staging copies TFRecord shards; a TFDS data_dir is read in place: add --stage_dir=''")
+
+
+def venv_tensorflow(venv: str) -> tuple[str, bool] | None:
+    """(TensorFlow's distribution name, whether it is a CUDA build) as installed in `venv`'s own site-packages,
+    read from its files (the venv's Python need not run here); None when the venv has no TensorFlow of its own
+    (absent here, or TensorFlow from a cluster module through --system-site-packages)."""
+    for site in sorted(glob.glob(os.path.join(venv, "lib", "python3*", "site-packages"))):
+        build_info = os.path.join(site, "tensorflow", "python", "platform", "build_info.py")
+        if not os.path.isfile(build_info):
+            continue
+        cpu_wheel = glob.glob(os.path.join(site, "tensorflow_cpu-*.dist-info"))
+        with open(build_info) as f:
+            cuda_build = "('is_cuda_build', True)" in f.read()
+        return ("tensorflow-cpu" if cpu_wheel else "tensorflow"), cuda_build
+    return None
+
+
+def check_venv(args: argparse.Namespace) -> str:
+    """A GPU job's --venv must hold a CUDA build of TensorFlow: with tensorflow-cpu every task trains on the CPU
+    (~100x slower; the job would stop at start-up, after queueing). Returns what was checked, for the summary."""
+    if not args.gpus_per_node:
+        return ""
+    venv = os.path.abspath(args.venv)
+    found = venv_tensorflow(venv)
+    if found is None:
+        return f"--venv={venv}: no TensorFlow in its site-packages here, not checked"
+    name, cuda_build = found
+    if not cuda_build:
+        given = "" if args.venv != DEFAULT_VENV else " (the default: the Python running make_sbatch)"
+        raise UsageError(f"--venv={venv}{given} has {name}, a TensorFlow without CUDA: the job's "
+                         f"{args.gpus_per_node} GPUs per node would sit idle while every task trains on the CPU. "
+                         "Build a GPU environment (make TF_EXTRA=gpu VENV=.venv-gpu venv, and horovod-gpu for "
+                         "--backend=horovod) and pass --venv=.venv-gpu, or --gpus_per_node=0 for a CPU job")
+    return f"--venv={venv}: {name} with CUDA"
 
 
 def check_config(cfg, nodes: int, tasks: int) -> None:
@@ -350,6 +387,7 @@ def make_script(argv: list[str]) -> tuple[str, str]:
     args, overrides = parse_args(argv)
     tasks = tasks_per_node(args)
     check_doctor(args.doctor)
+    venv_checked = check_venv(args)
     num_runs, cells = study_cells(args)
     if args.study and any(o.startswith("--config.seed=") for o in overrides):
         raise UsageError("--config.seed with --study: the study file's seeds set each run's seed")
@@ -377,7 +415,7 @@ def make_script(argv: list[str]) -> tuple[str, str]:
         summary = (f"{args.nodes} nodes x {tasks} {device}s = {replicas} replicas, "
                    f"{cfg.data.global_batch_size // replicas} images per replica per step "
                    f"(global batch {cfg.data.global_batch_size}), backend {args.backend}")
-    return path, summary
+    return path, summary + (f"; {venv_checked}" if venv_checked else "")
 
 
 def main(argv: list[str] | None = None) -> int:
