@@ -166,16 +166,6 @@ def test_eight_nodes_four_gpus_for_the_32_gpu_recipe(tmp_path, capsys, shards):
     assert_shellcheck_clean(tmp_path / "job.sbatch")
 
 
-@pytest.mark.parametrize("backend, launcher", [("mwms", "srun-pmix"), ("horovod", "srun-pmix")])
-def test_training_tasks_are_bound_to_their_cores(tmp_path, shards, backend, launcher):
-    # Thread pools follow the affinity mask: unbound, every task of a node would size them to the whole node.
-    text = generate(tmp_path, f"--config={R50_32GPU}", "--nodes=1", "--gpus_per_node=4", f"--backend={backend}",
-                    f"--launcher={launcher}", f"--data_dir={shards}", R50_ON_4_GPUS)
-    training_sruns = [line for line in text.splitlines()
-                      if re.search(r"\bsrun\b.*--cpus-per-task=\"\$\{SLURM_CPUS_PER_TASK", line)]
-    assert training_sruns and all("--cpu-bind=cores" in line for line in training_sruns), training_sruns
-
-
 def test_doctor_runs_first_when_asked(tmp_path, shards):
     generate(tmp_path, f"--config={R50_32GPU}", "--nodes=2", "--gpus_per_node=4", "--backend=mwms",
              f"--data_dir={shards}", R50_ON_8_GPUS, "--doctor=gpus,horovod")
