@@ -3,13 +3,15 @@
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO
 
-from tfscale.perf import doctor
+from tfscale.cluster import driver
+from tfscale.perf import collective_probe, doctor
 
 
 def run_doctor(*args, **env):
@@ -37,12 +39,15 @@ def test_doctor_on_a_cpu_machine_runs_every_check_and_names_what_needs_a_gpu(tmp
     assert lines[0].startswith(f"tfscale-doctor on {os.uname().nodename}: Python ")
     assert "tensorflow-cpu 2.21" in lines[0]  # which TensorFlow wheel, the first thing to know on a GPU node
     rows = check_lines(result.stdout)
-    assert list(rows) == ["gpus", "memory-growth", "all-reduce", "horovod", "xla-step", "float16-step", "dali",
-                          "gpu-bandwidth", "throughput"]
-    need_a_gpu = {"gpus", "memory-growth", "all-reduce", "gpu-bandwidth", "throughput"}
+    assert list(rows) == ["gpus", "driver", "memory-growth", "all-reduce", "horovod", "xla-step", "float16-step",
+                          "dali", "gpu-bandwidth", "throughput"]
+    need_a_gpu = {"gpus", "driver", "memory-growth", "gpu-bandwidth", "throughput"}
     for name in need_a_gpu:
         assert rows[name][0] == "N/A", rows[name]
-    assert "AUTO -> AUTO: TensorFlow's rings without a GPU" in rows["all-reduce"][1]
+    # A real all-reduce between two MWMS worker processes, through tfscale's start-up (rings on the CPU here).
+    assert rows["all-reduce"][0] == "PASS"
+    assert rows["all-reduce"][1].startswith("between 2 processes on this node: 2 workers all-reduced with AUTO "
+                                            "(TensorFlow's rings) on CPU:0: sum 3, expected 3")
     # What runs on a CPU runs for real: tfscale's XLA-compiled step and a loss-scaled float16 step.
     assert rows["xla-step"][0] == "PASS" and "(CPU, batch 2 at 64 px)" in rows["xla-step"][1]
     assert rows["float16-step"][0] == "PASS" and "loss scale 32768" in rows["float16-step"][1]
@@ -51,11 +56,13 @@ def test_doctor_on_a_cpu_machine_runs_every_check_and_names_what_needs_a_gpu(tmp
     if horovod_installed:
         assert rows["horovod"][0] == "PASS" and rows["horovod"][1].startswith("Horovod 0.28.1 built with ")
         assert "Gloo" in rows["horovod"][1] and "NCCL matters on GPU nodes: `make horovod-gpu`" in rows["horovod"][1]
+        assert "one hvd.allreduce after hvd.init() (1 rank) on CPU:0: sum 1, expected 1" in rows["horovod"][1]
     else:
         assert rows["horovod"][0] == "N/A"
-    assert rows["dali"][0] == "N/A"
-    passed = 3 if horovod_installed else 2
-    assert lines[-1].startswith(f"summary: {passed} pass, 0 fail, {9 - passed} n/a (gpus, memory-growth, all-reduce")
+    assert rows["dali"][0] == "N/A" and "read through its TensorFlow plugin" in rows["dali"][1]
+    passed = 4 if horovod_installed else 3
+    assert lines[-1] == f"summary: {passed} pass, 0 fail, {10 - passed} n/a (gpus, driver, memory-growth, " + \
+        ("" if horovod_installed else "horovod, ") + "dali, gpu-bandwidth, throughput)"
     recorded = json.loads((tmp_path / "doctor.json").read_text())
     assert [c["name"] for c in recorded["checks"]] == list(rows)
 
@@ -74,7 +81,7 @@ def test_a_gpu_node_whose_tensorflow_sees_no_gpu_fails_naming_the_wheel():
 def test_an_unknown_check_is_named():
     result = run_doctor("--only=gpus,nvlink")
     assert result.returncode == 1
-    assert "--only: no check named nvlink (checks: gpus, memory-growth," in result.stderr
+    assert "--only: no check named nvlink (checks: gpus, driver, memory-growth," in result.stderr
 
 
 @pytest.mark.parametrize("name, gpu", [
@@ -93,11 +100,93 @@ def test_the_bandwidth_measurement_runs_on_two_cpu_devices():
         "import tensorflow as tf\n"
         "cpu = tf.config.list_physical_devices('CPU')[0]\n"
         "tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)\n"
-        "from tfscale.perf import doctor\n"
-        "s = doctor.allreduce_seconds(['/cpu:0', '/cpu:1'], 1 << 20, 3, tf.distribute.ReductionToOneDevice())\n"
+        "from tfscale.perf import gpu_probe\n"
+        "s = gpu_probe.allreduce_seconds(['/cpu:0', '/cpu:1'], 1 << 20, 3, tf.distribute.ReductionToOneDevice())\n"
         "print(s)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert 0 < float(result.stdout.strip().splitlines()[-1]) < 10
+
+
+def test_fast_mode_skips_the_resnet_compiles():
+    result = run_doctor("--fast")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    rows = check_lines(result.stdout)
+    assert list(rows) == ["gpus", "driver", "memory-growth", "all-reduce", "horovod", "dali", "gpu-bandwidth"]
+    assert rows["all-reduce"][0] == "PASS"
+
+
+def test_the_all_reduce_check_fails_naming_a_port_another_process_holds():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_doctor("--only=all-reduce", f"--port_base={port}")
+    assert result.returncode == 1
+    status, detail = check_lines(result.stdout)["all-reduce"]
+    assert status == "FAIL"
+    assert detail.startswith("MWMS all-reduce between 2 processes on this node failed: worker 0: the probe process "
+                             f"exited with 69: tfscale pre-flight: this worker's port {port} (worker 0 at "
+                             f"127.0.0.1:{port} in the cluster spec) is already in use by another process")
+    assert detail.endswith("worker 1: stopped: a peer failed first, or no answer within the time-out")
+
+
+def test_a_gpu_rank_with_a_horovod_built_without_nccl_fails_the_horovod_check():
+    if importlib.util.find_spec("horovod") is None:
+        pytest.skip("Horovod is not installed (make horovod)")
+    # This machine's Horovod is a CPU build (no NCCL); a rank with a GPU would copy every gradient to the host.
+    check = doctor.check_horovod(gpus=["/physical_device:GPU:0"])
+    assert check.status == "fail"
+    assert "built with MPI, Gloo: this rank has a GPU but Horovod was built without NCCL" in check.detail
+
+
+def test_a_probe_that_aborts_is_reported_with_its_last_words():
+    # What a Horovod whose CUDA runtime the driver refuses does: its check macro throws in an op thread, and the
+    # process aborts. The doctor reports the signal and the message instead of a result.
+    process = subprocess.Popen([sys.executable, "-c", "import os, sys; print('terminate called after throwing an "
+                                "instance of std::logic_error: cudaEventCreateWithFlags failed: CUDA driver version is "
+                                "insufficient for CUDA runtime version', file=sys.stderr, flush=True); os.abort()"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = process.communicate(timeout=60)
+    ok, detail = collective_probe._verdict(process, stdout, stderr)
+    assert not ok
+    assert detail.startswith("the probe process killed by signal 6: terminate called after throwing")
+    assert detail.endswith("CUDA driver version is insufficient for CUDA runtime version")
+
+
+@pytest.mark.parametrize("node_driver, runtimes, status, said", [
+    # Horovod built with the CUDA 13 toolkit (static runtime) on an R535 node: every rank would abort.
+    ("535.104.05", {"TensorFlow 2.21.0": "12.5.1", "Horovod 0.28.1": "13.0"}, "FAIL",
+     "Horovod 0.28.1 runs on a CUDA 13.0 runtime, which needs an NVIDIA driver >= 580; this node's is 535.104.05"),
+    ("470.82.01", {"TensorFlow 2.21.0": "12.5.1"}, "FAIL",
+     "TensorFlow 2.21.0 runs on a CUDA 12.5.1 runtime, which needs an NVIDIA driver >= 525; this node's is 470.82.01"),
+    ("535.104.05", {"TensorFlow 2.21.0": "12.5.1", "Horovod 0.28.1": "12.5"}, "PASS",
+     "NVIDIA driver 535.104.05 runs TensorFlow 2.21.0 CUDA 12.5.1, Horovod 0.28.1 CUDA 12.5"),
+    ("", {"TensorFlow 2.21.0": "12.5.1"}, "N/A", "no NVIDIA driver loaded"),
+])
+def test_the_driver_check_names_the_runtime_that_needs_a_newer_driver(node_driver, runtimes, status, said):
+    check = doctor.check_driver([], node_driver=node_driver, runtimes=runtimes)
+    assert check.line().startswith(status) and said in check.detail, check.detail
+
+
+def test_the_driver_version_is_read_from_the_loaded_kernel_module(tmp_path):
+    version = tmp_path / "driver" / "nvidia" / "version"
+    version.parent.mkdir(parents=True)
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n"
+                       "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+    assert driver.installed_driver(str(tmp_path)) == "535.104.05"
+    version.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build\n")
+    assert driver.installed_driver(str(tmp_path)) == "580.65.06"
+    assert driver.installed_driver(str(tmp_path / "none")) == ""
+
+
+@pytest.mark.parametrize("free_gib, status", [(1.5, "FAIL"), (38.5, "PASS")])
+def test_memory_growth_is_judged_by_what_the_driver_says_the_process_holds(free_gib, status):
+    # A 40 GiB A100: without memory growth TensorFlow's allocator takes nearly all of it at the first allocation.
+    check = doctor.memory_growth_verdict(0, int(free_gib * 2**30), 40 * 2**30)
+    assert check.status == status.lower()
+    assert f"holds {40 - free_gib:.2f} of 40.0 GiB after two 64 MiB allocations" in check.detail
+    if status == "FAIL":
+        assert "reserved the GPU's memory up front (memory growth is off)" in check.detail

@@ -9,8 +9,8 @@ import pytest
 from conftest import REPO
 
 from tfscale.cluster import topology
-from test_make_sbatch import R50_32GPU, R50_ON_4_GPUS, generate  # noqa: F401 - its autouse GPU-venv fixture too
-from test_make_sbatch import gpu_venv  # noqa: F401
+from test_make_sbatch import R50_32GPU, generate
+from test_make_sbatch import gpu_venv  # noqa: F401 - autouse: make_sbatch reads a GPU venv
 
 # A DGX-A100-like node: 8 GPUs, 4 on each socket's NUMA node (0 and 1), and non-GPU NVIDIA functions beside them.
 DGX_GPUS = [("0000:07:00.0", 0), ("0000:0f:00.0", 0), ("0000:47:00.0", 0), ("0000:4e:00.0", 0),

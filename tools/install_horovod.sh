@@ -169,7 +169,9 @@ PY
   # script horovod.lds keeps its symbols local to Horovod's library.)
   tf_cuda=$("$PYTHON" -c 'import tensorflow as tf; print(tf.sysconfig.get_build_info()["cuda_version"])')
   nvcc_release=$("$HOROVOD_CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p')
+  HOROVOD_CUDA_RUNTIME=$tf_cuda  # the runtime Horovod's CUDA calls reach: TensorFlow's, unless linked in below
   if [ "${nvcc_release%%.*}" != "${tf_cuda%%.*}" ]; then
+    HOROVOD_CUDA_RUNTIME=$nvcc_release
     cudart_static="$HOROVOD_CUDA_HOME/lib64/libcudart_static.a"
     [ -f "$cudart_static" ] || { echo "install_horovod: no $cudart_static" >&2; exit 1; }
     export LDFLAGS="${LDFLAGS:+$LDFLAGS }-Wl,--whole-archive $cudart_static -Wl,--no-whole-archive -ldl -lrt -lpthread"
@@ -221,4 +223,19 @@ assert hvd.nccl_built(), 'HOROVOD_GPU_OPERATIONS=NCCL but hvd.nccl_built() is fa
 print('install_horovod: horovod', horovod.__version__, 'nccl_built', hvd.nccl_built(), 'mpi_built', hvd.mpi_built(),
       'gloo_built', hvd.gloo_built(), 'cuda_built', hvd.cuda_built())" 2>&1) || { echo "$out" >&2; exit 1; }
   echo "$out" | grep '^install_horovod: horovod '
+fi
+# GPU builds: the CUDA runtime Horovod calls and the oldest driver that runs it, printed and recorded beside
+# Horovod's package, where tfscale-doctor's driver check reads it (tfscale/cluster/driver.py).
+if [ -n "${HOROVOD_CUDA_RUNTIME:-}" ]; then
+  "$PYTHON" - "$HOROVOD_CUDA_RUNTIME" "$HOROVOD_VERSION" <<'PY'
+import importlib.util, json, os, sys
+from tfscale.cluster import driver
+runtime, version = sys.argv[1], sys.argv[2]
+package = list(importlib.util.find_spec("horovod").submodule_search_locations)[0]
+record = {"horovod": version, "cuda_runtime": runtime, "min_driver_major": driver.min_driver_major(runtime)}
+with open(os.path.join(package, driver.BUILD_RECORD), "w") as f:
+    json.dump(record, f)
+print(f"install_horovod: Horovod's CUDA calls go to a CUDA {runtime} runtime: NVIDIA driver >= "
+      f"{record['min_driver_major']} needed (recorded in {os.path.join(package, driver.BUILD_RECORD)})")
+PY
 fi

@@ -1,21 +1,27 @@
-"""tfscale-doctor: a one-minute self-check of a node, one line per check. Run it first on a new cluster.
+"""tfscale-doctor: a self-check of a node, one line per check. Run it first on a new cluster.
 
-    tfscale-doctor [--only=gpus,horovod] [--json=PATH]      (python -m tfscale.doctor)
-    srun --nodes=N --ntasks-per-node=1 tfscale-doctor --tasks_per_node=4     (slurm/*.sbatch: DOCTOR=1)
+    tfscale-doctor [--fast] [--only=gpus,horovod] [--json=PATH]      (python -m tfscale.doctor)
+    srun --nodes=N --ntasks-per-node=1 tfscale-doctor --tasks_per_node=4     (slurm/*.sbatch: DOCTOR=all)
 
 Each check prints PASS, FAIL or N/A and why; N/A marks what needs a GPU (or an optional package) that
 this node does not have, so on a CPU machine it still runs and lists exactly what a GPU node adds.
-The exit code is 1 when a check fails. `--json=PATH` writes the results.
+The exit code is 1 when a check fails. `--json=PATH` writes the results; `--fast` skips the three
+checks that compile ResNet-50 (docs/gpu.md gives the time of each mode).
 
   gpus            the GPUs TensorFlow sees, the one each local rank pins (tfscale.cluster.devices), and a node
                   whose GPUs TensorFlow cannot see (Slurm or /dev/nvidia* say there are some)
-  memory-growth   on for every GPU (DALI's GPU decoding and NCCL need memory TensorFlow left free)
-  all-reduce      what MultiWorkerMirroredStrategy all-reduces with here (AUTO -> NCCL on a GPU)
-  horovod         built with NCCL / MPI / Gloo; a GPU rank without NCCL copies every gradient to the host
+  driver          the NVIDIA driver against the CUDA runtimes of TensorFlow and of the Horovod build
+  memory-growth   the GPU memory the process holds after two small allocations, as the CUDA driver reports it
+                  (DALI's GPU decoding and NCCL need memory TensorFlow left free)
+  all-reduce      a real MultiWorkerMirroredStrategy all-reduce through tfscale's start-up: two worker processes
+                  on the node (one GPU each; NCCL), or one per node in a Slurm step of several tasks (DOCTOR=all)
+  horovod         built with NCCL / MPI / Gloo (a GPU rank without NCCL copies every gradient to the host), and
+                  one all-reduce after hvd.init(), on the GPU where there is one
   xla-step        one XLA-compiled float32 ResNet-50 training step of tfscale's own step
   float16-step    one mixed_float16 ResNet-50 step: finite loss, finite loss scale
   dali            one batch decoded by DALI on the GPU ("mixed"; CPU decoding shown where there is none)
-  gpu-bandwidth   all-reduce bus bandwidth between this node's GPUs (nccl-tests' busbw = algbw 2(n-1)/n)
+  gpu-bandwidth   all-reduce bus bandwidth between this node's GPUs, timed in-graph as nccl-tests does
+                  (busbw = algbw 2(n-1)/n)
   throughput      one-GPU synthetic ResNet-50 images/sec beside the figure published for that GPU
 
 The float32 and float16 steps run on the CPU too, at a small size (they prove XLA and loss scaling
@@ -26,35 +32,30 @@ from __future__ import annotations
 
 from tfscale import cli, errors, logs
 from tfscale.cluster import horovod_start
-from tfscale.config import validation
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
 import dataclasses
 import importlib.metadata
 import importlib.util
-import io as std_io
 import os
 import statistics
 import sys
-import time
 from typing import Callable
 
-import keras
 import numpy as np
 import tensorflow as tf
 from absl import app, flags, logging
 
 from tfscale import config as tfs_config
 from tfscale import io
-from tfscale.cluster import devices, distribute
-from tfscale.data.input import loaders
-from tfscale.perf import allreduce_bench, benchmark
-from tfscale.training import engine
+from tfscale.cluster import devices, distribute, driver
+from tfscale.perf import allreduce_bench, collective_probe, gpu_probe
 
 PASS, FAIL, NA = "pass", "fail", "n/a"
-CHECK_NAMES = ("gpus", "memory-growth", "all-reduce", "horovod", "xla-step", "float16-step", "dali", "gpu-bandwidth",
-               "throughput")  # in the order they run
+CHECK_NAMES = ("gpus", "driver", "memory-growth", "all-reduce", "horovod", "xla-step", "float16-step", "dali",
+               "gpu-bandwidth", "throughput")  # in the order they run
+SLOW_CHECKS = ("xla-step", "float16-step", "throughput")  # each compiles ResNet-50; --fast skips them
 
 # One-GPU ResNet-50 training throughput as published (docs/gpu.md "What to expect" gives the sources):
 # (name in the GPU's device name, precision, per-GPU batch, images/sec, source).
@@ -68,6 +69,8 @@ CPU_STEP = dict(image_size=64, batch=2)  # the CPU's XLA and float16 steps: the 
 GPU_STEP = dict(image_size=224, batch=64)
 THROUGHPUT_WARMUP_STEPS, THROUGHPUT_STEPS = 5, 20
 MIN_THROUGHPUT_BATCH = 32
+GROWTH_PROBE_BYTES = 64 << 20  # two allocations of this size: a growing allocator holds little more than them
+MAX_HELD_FRACTION = 0.5  # more of the GPU held than this after them: TensorFlow reserved its pool up front
 BANDWIDTH_BYTES = 64 << 20  # per GPU, as a mid-sized fused gradient buffer
 BANDWIDTH_CALLS = 10
 
@@ -116,23 +119,74 @@ def check_gpus(gpus: list, tasks_per_node: int) -> Check:
                                f"{tasks_per_node} local rank(s): {mapping}")
 
 
+def check_driver(gpus: list, node_driver: str | None = None, runtimes: dict[str, str] | None = None) -> Check:
+    """The node's NVIDIA driver against the CUDA runtimes of TensorFlow and Horovod (`tfscale.cluster.driver`)."""
+    node_driver = driver.installed_driver() if node_driver is None else node_driver
+    runtimes = cuda_runtimes() if runtimes is None else runtimes
+    if not node_driver:
+        return Check("driver", NA, "no NVIDIA driver loaded (/proc/driver/nvidia/version)")
+    problems = driver.driver_problems(node_driver, runtimes)
+    if problems:
+        return Check("driver", FAIL, "; ".join(problems) + ": update the driver, or rebuild with `make horovod-gpu` "
+                                                          "(docs/horovod.md, 'Which driver')")
+    needs = ", ".join(f"{what} CUDA {version}" for what, version in runtimes.items())
+    return Check("driver", PASS, f"NVIDIA driver {node_driver} runs {needs or 'no CUDA code here'}")
+
+
+def cuda_runtimes() -> dict[str, str]:
+    """{what: CUDA version} of the CUDA code in this environment: TensorFlow's wheel, Horovod's build record."""
+    runtimes = {}
+    tf_cuda = tf.sysconfig.get_build_info().get("cuda_version", "")
+    if tf_cuda:
+        runtimes[f"TensorFlow {tf.__version__}"] = tf_cuda
+    spec = importlib.util.find_spec("horovod")
+    if spec and spec.submodule_search_locations:
+        record = driver.horovod_build_record(list(spec.submodule_search_locations)[0])
+        if record.get("cuda_runtime"):
+            runtimes[f"Horovod {record.get('horovod', '')}".strip()] = record["cuda_runtime"]
+    return runtimes
+
+
+def memory_growth_verdict(gpu: int, free_bytes: int, total_bytes: int) -> Check:
+    """The driver's free memory on `gpu` after two small allocations: reserved up front or grown as needed."""
+    held = total_bytes - free_bytes
+    detail = f"GPU {gpu}: the process holds {held / 2**30:.2f} of {total_bytes / 2**30:.1f} GiB after two " \
+             f"{GROWTH_PROBE_BYTES >> 20} MiB allocations"
+    if held > MAX_HELD_FRACTION * total_bytes:
+        return Check("memory-growth", FAIL, f"{detail}: TensorFlow reserved the GPU's memory up front (memory growth "
+                                            "is off), so DALI's decoder and NCCL's buffers would run out of memory")
+    return Check("memory-growth", PASS, f"{detail}: TensorFlow allocates as it goes")
+
+
 def check_memory_growth(gpus: list) -> Check:
     if not gpus:
         return Check("memory-growth", NA, "needs a GPU")
-    off = [g.name for g in gpus if not tf.config.experimental.get_memory_growth(g)]
-    if off:
-        return Check("memory-growth", FAIL, f"off for {', '.join(off)}: TensorFlow would reserve their memory")
-    return Check("memory-growth", PASS, f"on for all {len(gpus)} GPU(s): TensorFlow allocates as it goes")
+    with tf.device("/gpu:0"):  # the first creates TensorFlow's allocator, the second grows it
+        tensors = [tf.ones([GROWTH_PROBE_BYTES // 4]) for _ in range(2)]
+    [t.numpy()[:1] for t in tensors]
+    free, total = gpu_probe.gpu_memory_bytes(0)
+    return memory_growth_verdict(0, free, total)
 
 
-def check_all_reduce(gpus: list, configured: str) -> Check:
+def check_all_reduce(gpus: list, configured: str, port_base: int = 0) -> Check:
+    """A real MultiWorkerMirroredStrategy all-reduce through tfscale's start-up path: two worker processes on
+    this node (one GPU each), or, in a Slurm step of several tasks (DOCTOR=all), one worker per task, across
+    the nodes, on the ports training derives for a step."""
     chosen = devices.collective_implementation(configured, len(gpus))
-    if not gpus:
-        return Check("all-reduce", NA, f"collective_impl={configured} -> {chosen}: TensorFlow's rings without a GPU "
-                                       "(NCCL needs one)")
-    status = PASS if chosen == "NCCL" else FAIL
-    return Check("all-reduce", status, f"MultiWorkerMirroredStrategy all-reduces with {chosen} "
-                                       f"(config.distribute.collective_impl={configured})")
+    tasks = collective_probe.in_multi_task_step()
+    if tasks:
+        where, envs = f"across the {tasks} tasks of this Slurm step", [dict(os.environ)]
+    else:
+        where, envs = "between 2 processes on this node", collective_probe.local_mwms_envs(len(gpus), port_base)
+    results = collective_probe.run_probes(envs, "mwms", configured)
+    failed = [f"worker {i}: {detail}" for i, (ok, detail) in enumerate(results) if not ok]
+    if failed:
+        return Check("all-reduce", FAIL, f"MWMS all-reduce {where} failed: " + "; ".join(failed))
+    status = PASS if chosen == "NCCL" or not gpus else FAIL
+    note = "" if gpus else " (no GPU: TensorFlow's rings; NCCL needs one)"
+    if len(gpus) == 1 and not tasks:
+        note = " (one GPU cannot serve two NCCL ranks: both ran on the CPU)"
+    return Check("all-reduce", status, f"{where}: {results[0][1]}; collective_impl={configured} -> {chosen}{note}")
 
 
 def check_horovod(gpus: list) -> Check:
@@ -149,40 +203,19 @@ def check_horovod(gpus: list) -> Check:
     problem = devices.horovod_host_copy_warning(len(gpus), hvd.nccl_built())
     if problem:
         return Check("horovod", FAIL, f"{detail}: {problem}")
+    # One all-reduce after hvd.init(), on the GPU where there is one: where a build's CUDA runtime that the
+    # driver refuses, or a broken NCCL, shows (the process aborts).
+    ((ok, probe_detail),) = collective_probe.run_probes([collective_probe.horovod_env()], "horovod")
+    if not ok:
+        return Check("horovod", FAIL, f"{detail}, but one all-reduce after hvd.init() failed: {probe_detail}")
+    detail += f"; {probe_detail}"
     missing_nccl = not gpus and not hvd.nccl_built()
     return Check("horovod", PASS, detail + (" (NCCL matters on GPU nodes: `make horovod-gpu`)" if missing_nccl else ""))
 
 
-def _step_config(precision: str, image_size: int, batch: int) -> tfs_config.ml_collections.ConfigDict:
-    cfg = tfs_config.base_config()
-    cfg.data.dataset, cfg.data.image_size, cfg.data.global_batch_size = "synthetic", image_size, batch
-    cfg.precision, cfg.jit_compile = precision, True
-    validation.validate(cfg)
-    return cfg
-
-
-def run_resnet50_steps(cluster, precision: str, image_size: int, batch: int, num_steps: int,
-                       warmup_steps: int = 0) -> dict:
-    """tfscale's XLA-compiled ResNet-50 training step on one synthetic batch: losses, step times, loss scale."""
-    cfg = _step_config(precision, image_size, batch)
-    keras.backend.clear_session()  # the previous check's model and optimizer: their GPU memory is reused
-    with engine.precision_policy(precision):
-        model, optimizer = engine.build_model_and_optimizer(cfg, cluster)
-        input_fn = loaders.train_input_fn(cfg.data, seed=0, start_step=0, data_dir="")
-        batch_on_device = next(iter(cluster.distribute_dataset(input_fn)))
-        step = benchmark.make_batch_step(cfg, cluster, model, optimizer)
-        losses, seconds = [], []
-        for _ in range(warmup_steps + num_steps):
-            start = time.perf_counter()
-            losses.append(float(step(batch_on_device)[0]))  # reading the loss waits for the step
-            seconds.append(time.perf_counter() - start)
-    scale = float(optimizer.dynamic_scale) if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None
-    return {"losses": losses, "step_s": seconds[warmup_steps:], "first_step_s": seconds[0], "loss_scale": scale}
-
-
 def check_xla_step(cluster, gpus: list) -> Check:
     size = GPU_STEP if gpus else CPU_STEP
-    result = run_resnet50_steps(cluster, "float32", size["image_size"], size["batch"], num_steps=1)
+    result = gpu_probe.resnet50_steps(cluster, "float32", size["image_size"], size["batch"], num_steps=1)
     where = f"{len(gpus) and 'GPU' or 'CPU'}, batch {size['batch']} at {size['image_size']} px"
     if not np.isfinite(result["losses"][0]):
         return Check("xla-step", FAIL, f"loss {result['losses'][0]} ({where})")
@@ -192,42 +225,11 @@ def check_xla_step(cluster, gpus: list) -> Check:
 
 def check_float16_step(cluster, gpus: list) -> Check:
     size = GPU_STEP if gpus else CPU_STEP
-    result = run_resnet50_steps(cluster, "mixed_float16", size["image_size"], size["batch"], num_steps=2)
+    result = gpu_probe.resnet50_steps(cluster, "mixed_float16", size["image_size"], size["batch"], num_steps=2)
     loss, scale = result["losses"][-1], result["loss_scale"]
     detail = f"loss {loss:.3f}, loss scale {scale:g} ({len(gpus) and 'GPU' or 'CPU'}, batch {size['batch']})"
     ok = np.isfinite(loss) and scale is not None and np.isfinite(scale) and scale >= 1
     return Check("float16-step", PASS if ok else FAIL, detail)
-
-
-def _jpeg_batch(count: int = 8) -> list[np.ndarray]:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    encoded = []
-    for _ in range(count):
-        buffer = std_io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (96, 128, 3), dtype=np.uint8)).save(buffer, format="JPEG")
-        encoded.append(np.frombuffer(buffer.getvalue(), np.uint8))
-    return encoded
-
-
-def dali_decode_batch(device: str, device_id: int | None) -> tuple[int, ...]:
-    """Decodes a batch of JPEGs with DALI on `device` ("mixed": the GPU); the batch's shape."""
-    from nvidia.dali import fn, pipeline_def, types
-
-    jpegs = _jpeg_batch()
-
-    @pipeline_def(batch_size=len(jpegs), num_threads=2, device_id=device_id, exec_dynamic=True)
-    def decode():
-        return fn.decoders.image(fn.external_source(source=lambda: jpegs, batch=True), device=device,
-                                 output_type=types.RGB)
-
-    pipe = decode()
-    pipe.build()
-    (images,) = pipe.run()
-    if device == "mixed":
-        images = images.as_cpu()
-    return tuple(images.as_tensor().shape())
 
 
 def check_dali(gpus: list) -> Check:
@@ -236,40 +238,22 @@ def check_dali(gpus: list) -> Check:
     except ImportError:
         return Check("dali", NA, "NVIDIA DALI is not installed (optional: `make dali`)")
     if not gpus:
-        shape = dali_decode_batch("cpu", None)
-        return Check("dali", NA, f"GPU decoding needs a GPU (DALI {dali.__version__} decoded a batch {shape} on the CPU)")
-    shape = dali_decode_batch("mixed", 0)
-    return Check("dali", PASS, f"DALI {dali.__version__} decoded a batch {shape} on GPU 0 (nvJPEG)")
-
-
-def allreduce_seconds(device_names: list[str], message_bytes: int, num_calls: int,
-                      cross_device_ops: tf.distribute.CrossDeviceOps | None = None) -> float:
-    """Median seconds of one all-reduce of `message_bytes` per device, MirroredStrategy over `device_names`."""
-    strategy = tf.distribute.MirroredStrategy(device_names, cross_device_ops=cross_device_ops)
-    elements = message_bytes // 4
-
-    @tf.function
-    def all_reduce():
-        def replica():
-            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.ones([elements]))[0]
-        return strategy.experimental_local_results(strategy.run(replica))
-
-    all_reduce()  # trace, and NCCL's communicator set-up
-    times = []
-    for _ in range(num_calls):
-        start = time.perf_counter()
-        [t.numpy() for t in all_reduce()]
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        shape = gpu_probe.dali_decode_batch("cpu", None)
+        return Check("dali", NA, f"GPU decoding needs a GPU (DALI {dali.__version__} decoded a batch {shape} on the CPU, "
+                                 "read through its TensorFlow plugin)")
+    shape = gpu_probe.dali_decode_batch("mixed", 0)
+    return Check("dali", PASS, f"DALI {dali.__version__} decoded a batch {shape} on GPU 0 (nvJPEG), read through its "
+                               "TensorFlow plugin")
 
 
 def check_gpu_bandwidth(gpus: list) -> Check:
     if len(gpus) < 2:
         return Check("gpu-bandwidth", NA, f"needs 2 or more GPUs on the node (this one: {len(gpus)})")
     names = [f"/gpu:{i}" for i in range(len(gpus))]
-    seconds = allreduce_seconds(names, BANDWIDTH_BYTES, BANDWIDTH_CALLS, tf.distribute.NcclAllReduce())
+    seconds = gpu_probe.allreduce_seconds(names, BANDWIDTH_BYTES, BANDWIDTH_CALLS, tf.distribute.NcclAllReduce())
     algbw, busbw = allreduce_bench.bus_bandwidth(BANDWIDTH_BYTES, seconds, len(gpus))
-    return Check("gpu-bandwidth", PASS, f"NCCL all-reduce of {BANDWIDTH_BYTES >> 20} MiB over {len(gpus)} GPUs: "
+    return Check("gpu-bandwidth", PASS, f"NCCL all-reduce of {BANDWIDTH_BYTES >> 20} MiB over {len(gpus)} GPUs "
+                                        f"({BANDWIDTH_CALLS} in one graph call, as nccl-tests times them): "
                                         f"{seconds * 1e3:.2f} ms, algbw {algbw:.1f} GB/s, busbw {busbw:.1f} GB/s")
 
 
@@ -284,7 +268,7 @@ def check_throughput(cluster, gpus: list) -> Check:
     out_of_memory = []
     while True:  # the published batch may not fit this GPU's memory with Keras 3's ResNet-50: halve it, say so
         try:
-            result = run_resnet50_steps(cluster, precision, 224, batch, THROUGHPUT_STEPS, THROUGHPUT_WARMUP_STEPS)
+            result = gpu_probe.resnet50_steps(cluster, precision, 224, batch, THROUGHPUT_STEPS, THROUGHPUT_WARMUP_STEPS)
             break
         except tf.errors.ResourceExhaustedError:
             if batch <= MIN_THROUGHPUT_BATCH:
@@ -305,13 +289,15 @@ def check_throughput(cluster, gpus: list) -> Check:
 # --- running them --------------------------------------------------------------------------------------------
 
 
-def run_checks(tasks_per_node: int = 0, collective_impl: str = "AUTO", only: list[str] | None = None) -> list[Check]:
-    """The checks (all, or those named in `only`), in order; one that raises is a FAIL naming the error,
-    and the others still run."""
+def run_checks(tasks_per_node: int = 0, collective_impl: str = "AUTO", only: list[str] | None = None,
+               fast: bool = False, port_base: int = 0) -> list[Check]:
+    """The checks (all, or those named in `only`; `fast` leaves out SLOW_CHECKS), in order; one that raises is a
+    FAIL naming the error, and the others still run."""
     steps: list[tuple[str, Callable[[], Check]]] = [  # called after the set-up below
         ("gpus", lambda: check_gpus(gpus, tasks_per_node or max(1, len(gpus)))),
+        ("driver", lambda: check_driver(gpus)),
         ("memory-growth", lambda: check_memory_growth(gpus)),
-        ("all-reduce", lambda: check_all_reduce(gpus, collective_impl)),
+        ("all-reduce", lambda: check_all_reduce(gpus, collective_impl, port_base)),
         ("horovod", lambda: check_horovod(gpus)),
         ("xla-step", lambda: check_xla_step(cluster, gpus)),
         ("float16-step", lambda: check_float16_step(cluster, gpus)),
@@ -328,7 +314,7 @@ def run_checks(tasks_per_node: int = 0, collective_impl: str = "AUTO", only: lis
     gpus = tf.config.list_physical_devices("GPU")
     checks = []
     for name, run in steps:
-        if only and name not in only:
+        if (only and name not in only) or (fast and name in SLOW_CHECKS):
             continue
         try:
             check = run()
@@ -365,13 +351,16 @@ def _define_flags() -> None:
     flags.DEFINE_string("collective_impl", "AUTO", "config.distribute.collective_impl to resolve.")
     flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
     flags.DEFINE_list("only", [], "Run only these checks (comma-separated names; default: all).")
+    flags.DEFINE_integer("port_base", 0, "The all-reduce check's two worker ports on this node: port_base and the "
+                         "next one (0: two free ports; in a Slurm step, the step's own, as training derives them).")
+    flags.DEFINE_bool("fast", False, f"Skip the checks that compile ResNet-50 ({', '.join(SLOW_CHECKS)}).")
 
 
 def _doctor(f: flags.FlagValues) -> None:
     logs.configure()
     logging.set_verbosity(logging.WARNING)  # one line per check; tfscale's INFO lines would bury them
     print(f"tfscale-doctor on {os.uname().nodename}: {versions_line()}", flush=True)
-    checks = run_checks(f.tasks_per_node, f.collective_impl, f.only)
+    checks = run_checks(f.tasks_per_node, f.collective_impl, f.only, f.fast, f.port_base)
     print(summary_line(checks), flush=True)
     if f.json:
         io.write_json(f.json, {"host": os.uname().nodename, "checks": [dataclasses.asdict(c) for c in checks]})

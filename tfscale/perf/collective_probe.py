@@ -1,0 +1,179 @@
+"""One all-reduce through tfscale's own start-up path, in a process of its own (tfscale-doctor starts it).
+
+    python -m tfscale.perf.collective_probe mwms [AUTO|NCCL|RING]   a MultiWorkerMirroredStrategy worker of
+                                                      TF_CONFIG, or of the Slurm step it runs in (one per task)
+    python -m tfscale.perf.collective_probe horovod   hvd.init() as training does, then one all-reduce
+
+`distribute.setup` makes the decisions training makes (the GPU of this local rank, NCCL for AUTO, the
+connection time-out, the pre-flight all-reduce); then every worker all-reduces its rank + 1, on its GPU
+where it has one, and checks the sum. The last line of stdout is JSON: {"ok", "detail"}. Anything that
+fails (a port in use, a worker that does not answer, a CUDA call the driver refuses) ends the process
+with its message on stderr, which the doctor reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import tensorflow as tf
+
+from tfscale import config as tfs_config
+from tfscale import errors
+from tfscale.cluster import distribute
+
+CONNECT_TIMEOUT_S = 60.0  # the doctor's peers start together: a minute is plenty, and a FAIL comes quickly
+PROBE_TIMEOUT_S = 240.0  # a probe process still running after this is killed and named
+PEER_GRACE_S = 10.0  # after one probe fails, the others get this long to report before they are stopped
+# Where a launcher says how many ranks it started (horovod_start): a lone Horovod probe inside a Slurm step of
+# several tasks must not read the step's task count as its own.
+_LAUNCHER_KEYS = ("HOROVOD_SIZE", "HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+                  "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_NUM_TASKS", "TF_CONFIG")
+
+
+def _expected(size: int) -> float:
+    return size * (size + 1) / 2  # ranks 0..size-1 each contribute rank + 1
+
+
+def mwms_all_reduce(cluster) -> tuple[float, str]:
+    """Sum of rank + 1 over the workers, and the device each reduced on."""
+    strategy = cluster.strategy
+
+    @tf.function
+    def reduce():
+        def replica():
+            value = tf.fill([1024], tf.cast(cluster.rank + 1, tf.float32))
+            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+        return strategy.experimental_local_results(strategy.run(replica))
+
+    (result,) = reduce()
+    return float(result[0]), result.device
+
+
+def horovod_all_reduce(cluster) -> tuple[float, str]:
+    from tfscale.cluster import horovod_start
+
+    hvd = horovod_start.import_horovod()
+    device = "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
+    with tf.device(device):
+        value = tf.fill([1024], tf.cast(cluster.rank + 1, tf.float32))
+        result = hvd.allreduce(value, op=hvd.Sum, name="tfscale_doctor_probe")
+    return float(result[0]), result.device
+
+
+# --- the doctor's side: starting probes and reading their verdicts -----------------------------------------
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` TCP ports on 127.0.0.1 that nothing listens on now."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _verdict(process: subprocess.Popen, stdout: str, stderr: str) -> tuple[bool, str]:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if lines:
+        result = json.loads(lines[-1])
+        return bool(result["ok"]), result["detail"]
+    code = process.returncode
+    how = f"killed by signal {-code}" if code and code < 0 else f"exited with {code}"
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    # tfscale's own error line (absl's "ERROR:absl:..."), else whatever came last (an abort's message).
+    errors_said = [line for line in lines if line.startswith(("ERROR:", "FATAL", "terminate called", "what():"))]
+    said = (errors_said or lines or ["(nothing on stderr)"])[-1].removeprefix("ERROR:absl:")
+    return False, f"the probe process {how}: {said[:600]}"
+
+
+def run_probes(envs: list[dict], backend: str, collective_impl: str = "AUTO") -> list[tuple[bool, str]]:
+    """Starts one probe per environment, together; (ok, detail) of each. Once one fails, the others (which
+    would wait for it until their connect time-out) get PEER_GRACE_S, then are stopped."""
+    command = [sys.executable, "-m", "tfscale.perf.collective_probe", backend, collective_impl]
+    processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for env in envs]
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in processes):
+            deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
+        time.sleep(0.2)
+    results = []
+    for p in processes:
+        stopped = p.poll() is None
+        if stopped:
+            p.kill()
+        stdout, stderr = p.communicate()
+        ok, detail = _verdict(p, stdout, stderr)
+        results.append((ok, "stopped: a peer failed first, or no answer within the time-out" if stopped else detail))
+    return results
+
+
+def local_mwms_envs(num_gpus: int, port_base: int = 0) -> list[dict]:
+    """Two MWMS workers on 127.0.0.1, one GPU each (local ranks 0 and 1). One GPU cannot serve two NCCL ranks:
+    then both run on the CPU."""
+    ports = [port_base, port_base + 1] if port_base else free_ports(2)
+    workers = [f"127.0.0.1:{port}" for port in ports]
+    base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_KEYS}
+    base.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    envs = []
+    for rank in range(2):
+        env = {**base, "TFSCALE_LOCAL_RANK": str(rank),
+               "TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})}
+        if num_gpus == 1:
+            env["CUDA_VISIBLE_DEVICES"] = "-1"
+        envs.append(env)
+    return envs
+
+
+def horovod_env() -> dict:
+    """A lone Horovod rank (size 1, Gloo controller): its all-reduce still runs the whole op path, NCCL and CUDA
+    included. Without the MPI/PMIx variables of a Slurm step, which would make MPI_Init join the step's world."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_KEYS and not k.startswith(("PMIX_", "PMI_", "OMPI_"))}
+    return {**env, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+
+
+def in_multi_task_step(env: dict | None = None) -> int:
+    """The number of tasks of the Slurm step this process is one of, when several (DOCTOR=all: one per node)."""
+    env = os.environ if env is None else env
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "")
+    return int(tasks) if tasks.isdigit() and int(tasks) > 1 and "SLURM_PROCID" in env else 0
+
+
+# --- the probe process ---------------------------------------------------------------------------------------
+
+
+def probe(backend: str, collective_impl: str = "AUTO") -> dict:
+    cfg = tfs_config.base_config()
+    cfg.distribute.backend = backend
+    cfg.distribute.collective_impl = collective_impl
+    cfg.distribute.connect_timeout_s = CONNECT_TIMEOUT_S
+    start = time.perf_counter()
+    cluster = distribute.setup(cfg.distribute)
+    total, device = (mwms_all_reduce if backend == "mwms" else horovod_all_reduce)(cluster)
+    expected = _expected(cluster.size)
+    how = f"{cluster.size} workers all-reduced with {cluster.all_reduce}" if backend == "mwms" else \
+        f"one hvd.allreduce after hvd.init() ({cluster.size} rank)"
+    detail = (f"{how} on {device.split('device:')[-1]}: sum {total:g}, expected {expected:g} "
+              f"({time.perf_counter() - start:.1f} s from start)")
+    return {"ok": total == expected, "detail": detail, "rank": cluster.rank}
+
+
+def main(argv: list[str]) -> int:
+    try:
+        result = probe(*argv)
+    except Exception as err:  # noqa: BLE001 - the doctor reports the message; a crash below Python aborts anyway
+        result = {"ok": False, "detail": f"{type(err).__name__}: {errors.one_line(err)[:600]}"}
+    print(json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
