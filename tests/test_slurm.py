@@ -258,9 +258,10 @@ def test_default_ports_of_concurrent_steps_and_neighbouring_jobs_are_disjoint():
 def test_mwms_job_two_tasks(slurm, tmp_path):
     job_id = slurm.submit(make_script(tmp_path, "mwms", *SHORT, "--doctor=gpus,all-reduce"))
     text = assert_completed_once(slurm, tmp_path, job_id)
-    # The doctor ran on the node first (these checks need a GPU, so N/A here: it passed, and training ran).
+    # The doctor ran on the node first: gpus needs a GPU (N/A); all-reduce ran two MWMS workers on the node.
     assert "tfscale-doctor on each of 1 nodes" in text
-    assert re.search(r"^N/A +gpus +no GPU on this node", text, re.M) and "summary: 0 pass, 0 fail, 2 n/a" in text
+    assert re.search(r"^N/A +gpus +no GPU on this node", text, re.M) and "summary: 1 pass, 0 fail, 1 n/a" in text
+    assert re.search(r"^PASS +all-reduce +between 2 processes on this node: 2 workers all-reduced", text, re.M)
     # srun --cpu-bind=cores: each worker runs on its one core (--cpus-per-task=1) and sizes its threads to it.
     topology = [line for line in text.splitlines() if "tfscale worker rank=" in line]
     assert len(topology) == 2 and all(line.endswith(" cores=1") for line in topology), topology
@@ -363,6 +364,32 @@ def pair_partition_or_skip(slurm) -> list[str]:
     if len(nodes) != 2:
         pytest.skip("the testbed has no two-node partition `pair` (a host named localhost gets none)")
     return nodes
+
+
+DOCTOR_STEP_JOB = """#!/bin/bash
+#SBATCH --ntasks=2
+#SBATCH --cpus-per-task=1
+#SBATCH --time=00:05:00
+#SBATCH --output={out}/job-%j.out
+cd {repo}
+srun --ntasks=2 {python} -m tfscale.doctor --only=all-reduce
+"""
+
+
+def test_the_doctor_in_a_slurm_step_of_two_tasks_all_reduces_across_them(slurm, tmp_path):
+    """What DOCTOR=all runs on N nodes (one doctor task per node), here as 2 tasks of one step on the testbed's
+    one host: each task's MWMS worker takes its cluster and ports from the doctor's own Slurm step, as training
+    derives them. (The testbed's two-node partition shares one host, where one task per node would give both
+    workers the same port.)"""
+    script = tmp_path / "doctor.sbatch"
+    script.write_text(DOCTOR_STEP_JOB.format(out=tmp_path, repo=REPO, python=sys.executable))
+    job_id = slurm.submit(script)
+    runs = slurm.wait(job_id)
+    text = job_log(tmp_path, job_id)
+    assert runs == [("COMPLETED", "0:0")], text[-4000:]
+    passes = re.findall(r"^PASS +all-reduce +across the 2 tasks of this Slurm step: 2 workers all-reduced with AUTO "
+                        r"\(TensorFlow's rings\) on CPU:0: sum 3, expected 3", text, re.M)
+    assert len(passes) == 2, text[-4000:]  # one line from each task's doctor
 
 
 @pytest.mark.slow
