@@ -101,17 +101,21 @@ fashion-mnist:
 	  || echo "make fashion-mnist: apt-get failed; tests that need Fashion-MNIST will be skipped"; \
 	else echo "make fashion-mnist: needs root and apt-get (apt-get install dataset-fashion-mnist); tests that need it will be skipped"; fi
 
+# A tensorflow-cpu venv runs on the CPU on purpose, also on a machine with NVIDIA GPUs, where tfscale would
+# otherwise stop, taking it for a GPU job that cannot see its GPUs (docs/gpu.md).
+CPU_ON_PURPOSE := $(if $(filter cpu,$(TF_EXTRA)),CUDA_VISIBLE_DEVICES=-1)
+
 demo: venv
-	$(PY) tools/digits_demo.py --workdir=runs/demo
+	$(CPU_ON_PURPOSE) $(PY) tools/digits_demo.py --workdir=runs/demo
 
 test: venv mpi horovod dali slurm fashion-mnist
-	$(PY) -m pytest -q --durations=20
+	$(CPU_ON_PURPOSE) $(PY) -m pytest -q --durations=20
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(CPU_ON_PURPOSE) $(PY) -m pytest -q -m "not slow"
 
 test-slow: venv mpi horovod dali slurm fashion-mnist
-	$(PY) -m pytest -q -m slow
+	$(CPU_ON_PURPOSE) $(PY) -m pytest -q -m slow
 
 # tfscale's training input (tf.data, and DALI when `make dali` installed it) vs a plain Model-Garden-style pipeline,
 # the decode-only ceiling and Keras' image_dataset_from_directory, on real-photo JPEGs (batch 64, 224 px), rounds

@@ -15,7 +15,7 @@ from tfscale.perf import collective_probe, doctor
 
 
 def run_doctor(*args, **env):
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_VISIBLE_DEVICES"))}
     return subprocess.run([sys.executable, "-m", "tfscale.doctor", *args], cwd=REPO, capture_output=True, text=True,
                           env={**clean, "TF_CPP_MIN_LOG_LEVEL": "2", **env}, timeout=600)
 

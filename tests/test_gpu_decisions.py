@@ -24,7 +24,8 @@ FAKE_GPUS = os.path.join(REPO, "tests", "helpers", "fake_gpus.py")
 
 def setup_with_gpus(num_gpus: int, backend: str, *overrides: str, **env: str) -> dict:
     """`distribute.setup` of `backend` in a fresh process that sees `num_gpus` GPUs; its JSON report."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TF_CONFIG", "TFSCALE_", "OMPI_"))}
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("SLURM_", "TF_CONFIG", "TFSCALE_", "OMPI_", "CUDA_VISIBLE_DEVICES"))}
     result = subprocess.run([sys.executable, FAKE_GPUS, str(num_gpus), backend, *overrides], cwd=REPO,
                             env={**clean, "TF_CPP_MIN_LOG_LEVEL": "2", **env}, capture_output=True, text=True,
                             timeout=300)
@@ -130,7 +131,8 @@ def test_train_on_a_node_with_gpus_it_cannot_see_exits_with_one_line_and_writes_
     workdir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}"],
                             cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "SLURM_GPUS_ON_NODE": "2"})
+                            env={**{k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"},
+                                 "TF_CPP_MIN_LOG_LEVEL": "2", "SLURM_GPUS_ON_NODE": "2"})
     assert result.returncode == 1, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert f"the node has 2 GPU(s) (SLURM_GPUS_ON_NODE=2) but TensorFlow sees none: the Python environment " \
