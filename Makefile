@@ -20,7 +20,7 @@ DALI_STAMP := $(VENV)/.installed-dali
 # What `mpicc` is here ("none" without one): Horovod is rebuilt when it changes (OpenMPI installed, removed, updated).
 MPI_STATE := $(VENV)/.mpi-state
 
-.PHONY: venv horovod horovod-gpu dali mpi slurm fashion-mnist FORCE demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
+.PHONY: venv horovod horovod-gpu clang-cuda dali mpi slurm fashion-mnist FORCE demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
 
 venv: $(STAMP)
 
@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 # Horovod 0.28.1 from source against the installed TensorFlow (~3 min on 2 cores); see README 'Horovod'.
 horovod: $(HOROVOD_STAMP)
 
-$(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh tools/cuda_build_home.sh $(MPI_STATE)
+$(HOROVOD_STAMP): $(STAMP) tools/install_horovod.sh tools/cuda_build_home.sh tools/cuda_fatbinary.py $(MPI_STATE)
 	PYTHON=$(PY) CONSTRAINTS=$(CONSTRAINTS) $(if $(HOROVOD_GPU_OPERATIONS),HOROVOD_GPU_OPERATIONS=$(HOROVOD_GPU_OPERATIONS)) \
 	  tools/install_horovod.sh
 	touch $@
@@ -62,12 +62,26 @@ $(DALI_STAMP): $(STAMP)
 
 # Horovod with NCCL in a tensorflow[and-cuda] venv of its own (VENV_GPU, ~7 GB), on any host, GPU or none: the
 # `horovod` target with TF_EXTRA=gpu (~5-9 min here). The CUDA toolkit comes from tools/cuda_build_home.sh: a CUDA 12
-# `module load cuda` when there is one, else CUDA 13.0 pip wheels in $(VENV_GPU)/cuda-build
-# (requirements/cuda-build-wheels.txt says what that implies: NVIDIA driver >= 580, Turing and newer). NCCL is the
-# nvidia-nccl-cu12 wheel TensorFlow loads. It ends by importing Horovod with hvd.nccl_built() true (no GPU needed).
+# `module load cuda` when there is one, else Debian's clang-19 (`make clang-cuda`) as the CUDA compiler over the
+# CUDA 12 wheels TensorFlow installed, plus requirements/cuda-build-wheels.txt in $(VENV_GPU)/cuda-build. Either way
+# Horovod's CUDA kernels are CUDA 12 code (TensorFlow's archs, sm_60 to sm_90) calling TensorFlow's CUDA 12 runtime:
+# they run wherever TensorFlow's CUDA does (NVIDIA driver >= 525). NCCL is the nvidia-nccl-cu12 wheel TensorFlow
+# loads. It ends by importing Horovod with hvd.nccl_built() true and, for clang, printing what the extension's CUDA
+# calls bind to and which cubins and PTX its fatbin holds (no GPU needed).
 VENV_GPU ?= .venv-gpu
-horovod-gpu:
+horovod-gpu: clang-cuda
 	$(MAKE) TF_EXTRA=gpu VENV=$(VENV_GPU) horovod
+
+# Debian's clang-19 (bookworm has 19.1.7), the CUDA compiler of `make horovod-gpu` on a host without a CUDA 12 nvcc.
+# Not root / no apt-get: says so and goes on (cuda_build_home.sh then says what else would do).
+CUDA_CLANG ?= clang++-19
+clang-cuda:
+	@if command -v $(CUDA_CLANG) > /dev/null; then echo "clang-cuda: $$($(CUDA_CLANG) --version | head -1)"; \
+	elif command -v nvcc > /dev/null && nvcc --version | grep -q 'release 12\.'; then echo "clang-cuda: not needed, a CUDA 12 nvcc is on PATH"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 > /dev/null) \
+	  || echo "make clang-cuda: apt-get install clang-19 failed"; \
+	else echo "make clang-cuda: needs root and apt-get (apt-get install clang-19), or a CUDA 12 nvcc on PATH"; fi
 
 # Rewritten only when its content changes, so that Horovod is rebuilt only then.
 $(MPI_STATE): FORCE | $(STAMP)

@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
-# Prints the root of a CUDA toolkit (bin/nvcc, include/, lib64/) to build Horovod's GPU operations with, for the
-# TensorFlow installed in PYTHON's environment; assembles one from pip wheels when the host has none that fits.
+# Prints the root of a CUDA toolkit to build Horovod's GPU operations with, for the TensorFlow installed in PYTHON's
+# environment; assembles one (for clang) from CUDA 12 pip wheels when the host has no CUDA 12 nvcc.
 #
 #   PYTHON=.venv-gpu/bin/python tools/cuda_build_home.sh DIR     (tools/install_horovod.sh and `make horovod-gpu`)
 #
-# Stdout is the toolkit root alone (for HOROVOD_CUDA_HOME); what was chosen and why goes to stderr. In order:
-#   1. $HOROVOD_CUDA_HOME, as given.
+# Stdout is the toolkit root alone; what was chosen and why goes to stderr. In order:
+#   1. $HOROVOD_CUDA_HOME, as given (it must have bin/nvcc).
 #   2. The toolkit of `nvcc` on PATH (a cluster's `module load cuda`), else of $CUDA_HOME / $CUDA_PATH, when its
 #      major version is the one TensorFlow was built with (tf.sysconfig.get_build_info()['cuda_version']).
-#   3. The wheels pinned in requirements/cuda-build-wheels.txt, installed into DIR with `pip install --target`
-#      (kept out of the venv's site-packages; reused while that file is unchanged). They are CUDA 13.0: no pip
-#      wheel has a CUDA 12 nvcc. That file says what this costs (driver >= 580, no pre-Turing kernels).
+#   3. DIR/toolkit: a CUDA 12 toolkit for clang (Debian's clang-19: `make clang-cuda`; another one: CUDA_CLANG=...)
+#      as the CUDA compiler. NVIDIA ships no CUDA 12 nvcc on PyPI (nvidia-cuda-nvcc-cu12 has ptxas and libdevice
+#      only), but clang compiles CUDA itself and needs no more than these, from the CUDA 12 wheels TensorFlow installed
+#      (ptxas, libdevice, the runtime and curand headers), plus what requirements/cuda-build-wheels.txt installs into
+#      DIR (`pip install --target`, out of the venv's site-packages; reused while that file is unchanged): CCCL's
+#      headers and nvFatbin, which tools/cuda_fatbinary.py uses as the `fatbinary` step clang calls. The toolkit has
+#      bin/clang++ (the CUDA compiler), no bin/nvcc: that is how tools/install_horovod.sh tells the two kinds apart.
 # Only the build needs the toolkit: Horovod's CUDA calls go to TensorFlow's CUDA runtime, or, built with another
-# major version than TensorFlow's (the CUDA 13 wheels), to that toolkit's runtime linked in statically.
+# major version than TensorFlow's (a CUDA 13 HOROVOD_CUDA_HOME), to that toolkit's runtime linked in statically.
 set -euo pipefail
 
 PYTHON=${PYTHON:-.venv-gpu/bin/python}
-dest=${1:?usage: PYTHON=... $0 DIR (where to install the CUDA build wheels when no toolkit fits)}
-requirements=$(cd "$(dirname "$0")/.." && pwd)/requirements/cuda-build-wheels.txt
+CUDA_CLANG=${CUDA_CLANG:-clang++-19}
+dest=${1:?usage: PYTHON=... $0 DIR (where to assemble a CUDA 12 toolkit for clang when no nvcc fits)}
+tools=$(cd "$(dirname "$0")" && pwd)
+requirements=$(cd "$tools/.." && pwd)/requirements/cuda-build-wheels.txt
 say() { echo "cuda_build_home: $*" >&2; }
 
 # Absolute paths only: Horovod's CMake runs in a build directory of its own.
@@ -50,22 +56,66 @@ for root in ${candidates[@]+"${candidates[@]}"}; do
   [ -n "$release" ] && say "not using the CUDA $release toolkit at $root: TensorFlow was built with CUDA $tf_cuda"
 done
 
-# 3. pip wheels. Their tree, nvidia/cu13/{bin,include,lib,nvvm}, is a toolkit already, except for what CMake's
-# FindCUDAToolkit and nvcc.profile look for: an unversioned libcudart.so (CUDA_CUDART) and lib64/.
+# 3. clang + CUDA 12 wheels.
+if [ "${tf_cuda%%.*}" != 12 ]; then
+  say "TensorFlow was built with CUDA $tf_cuda; the clang toolkit here is assembled from CUDA 12 wheels only"
+  exit 1
+fi
+clang=$(command -v "$CUDA_CLANG" || true)
+if [ -z "$clang" ]; then
+  say "no CUDA $tf_cuda nvcc here, and no $CUDA_CLANG to compile CUDA with: \`make clang-cuda\` (Debian's clang-19,"
+  say "as root), or CUDA_CLANG=<clang++ >= 19>, or a CUDA 12 toolkit on PATH (module load cuda/12.x)"
+  exit 1
+fi
+# The CUDA 12 wheels of tensorflow[and-cuda], where that venv has them (import paths, not pip metadata).
+wheel_dir() {
+  "$PYTHON" -c "import sys, $1 as m; sys.stdout.write(list(m.__path__)[0])" 2> /dev/null \
+    || { say "no $1 in $PYTHON's environment (a tensorflow[and-cuda] venv has it)"; exit 1; }
+}
+nvcc_wheel=$(wheel_dir nvidia.cuda_nvcc)
+runtime_wheel=$(wheel_dir nvidia.cuda_runtime)
+curand_wheel=$(wheel_dir nvidia.curand)  # clang's CUDA wrapper headers include curand_mtgp32_kernel.h
+runtime_version=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("nvidia-cuda-runtime-cu12"))')
+for f in "$nvcc_wheel/bin/ptxas" "$nvcc_wheel/nvvm/libdevice/libdevice.10.bc" "$runtime_wheel/include/cuda_runtime.h" \
+    "$runtime_wheel/lib/libcudart.so.12" "$curand_wheel/include/curand_mtgp32_kernel.h"; do
+  [ -e "$f" ] || { say "no $f: the CUDA 12 wheels changed their layout"; exit 1; }
+done
+
 mkdir -p "$dest"
 dest=$(cd "$dest" && pwd)
-stamp="$dest/.installed"
-if [ "$(cat "$stamp" 2> /dev/null)" != "$(cat "$requirements")" ]; then
-  say "no CUDA ${tf_cuda%%.*} toolkit here; installing $(grep -c '^nvidia' "$requirements") CUDA wheels into $dest"
-  rm -rf "$dest"
-  "$PYTHON" -m pip install --quiet --no-deps --target "$dest" -r "$requirements"
-  cp "$requirements" "$stamp"
+wheels="$dest/wheels"
+if [ "$(cat "$wheels/.installed" 2> /dev/null)" != "$(cat "$requirements")" ]; then
+  say "installing $(grep -c '^nvidia' "$requirements") CUDA 12 build wheels into $wheels"
+  rm -rf "$wheels"
+  "$PYTHON" -m pip install --quiet --no-deps --target "$wheels" -r "$requirements"
+  cp "$requirements" "$wheels/.installed"
 fi
-homes=("$dest"/nvidia/cu[0-9]*)
-home=${homes[0]}
-[ -x "$home/bin/nvcc" ] || { say "no bin/nvcc under $dest/nvidia: $requirements changed its layout"; exit 1; }
-[ -e "$home/lib64" ] || ln -s lib "$home/lib64"
-cudarts=("$home"/lib/libcudart.so.[0-9]*)
-[ -e "$home/lib/libcudart.so" ] || ln -s "$(basename "${cudarts[0]}")" "$home/lib/libcudart.so"
-say "using the CUDA $(nvcc_release "$home/bin/nvcc") wheels at $home (TensorFlow was built with CUDA $tf_cuda)"
+cccl_include="$wheels/nvidia/cuda_cccl/include"
+nvfatbin="$wheels/nvidia/nvfatbin/lib/libnvfatbin.so.12"
+[ -e "$cccl_include/nv/target" ] && [ -e "$nvfatbin" ] || { say "no CCCL or nvFatbin under $wheels: $requirements changed"; exit 1; }
+
+# The toolkit: symlinks into those wheels, laid out as clang (--cuda-path) and CMake's FindCUDAToolkit look for it.
+# Rebuilt every time (cheap): the venv's wheels may have been upgraded since.
+home="$dest/toolkit"
+rm -rf "$home"
+mkdir -p "$home/bin" "$home/include" "$home/lib64" "$home/nvvm"
+ln -s "$clang" "$home/bin/clang++"
+ln -s "$nvcc_wheel/bin/ptxas" "$home/bin/ptxas"
+printf '#!/bin/sh\n# fatbinary for clang: tools/cuda_fatbinary.py over CUDA 12 nvFatbin\nexec "%s" "%s" "%s" "$@"\n' \
+  "$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" "$tools/cuda_fatbinary.py" "$nvfatbin" > "$home/bin/fatbinary"
+chmod +x "$home/bin/fatbinary"
+ln -s "$nvcc_wheel/nvvm/libdevice" "$home/nvvm/libdevice"
+for dir in "$runtime_wheel/include" "$nvcc_wheel/include" "$curand_wheel/include" "$cccl_include"; do
+  for entry in "$dir"/*; do
+    case $(basename "$entry") in __init__.py | __pycache__) continue ;; esac
+    [ -e "$home/include/$(basename "$entry")" ] || ln -s "$entry" "$home/include/"
+  done
+done
+# FindCUDAToolkit (Horovod's find_package(CUDAToolkit REQUIRED)) wants lib64/libcudart.so, and, with no nvcc, a
+# version.txt. Nothing links that libcudart: Horovod's CUDA calls bind to TensorFlow's runtime.
+ln -s "$runtime_wheel/lib/libcudart.so.12" "$home/lib64/libcudart.so"
+echo "CUDA Version $runtime_version" > "$home/version.txt"
+
+clang_version=$("$clang" --version | head -1)
+say "using $clang ($clang_version) with the CUDA 12 wheels (runtime $runtime_version, ptxas $("$home/bin/ptxas" --version | sed -n 's/.*release .*, V\([0-9.]*\)$/\1/p')) at $home"
 echo "$home"
