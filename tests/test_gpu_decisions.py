@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, load_config, run_cli
 
 from tfscale import config as tfs_config
-from tfscale.cluster import devices
+from tfscale.cluster import devices, driver, horovod_start
 from tfscale.config import ConfigError, validation
 from tfscale.workdir import layout
 
@@ -308,3 +308,43 @@ def test_dali_mixed_decoding_for_several_local_replicas_is_refused_by_name():
         dali.decode_device("mixed", 8, 8)
     with pytest.raises(ConfigError, match="dali_decode='mixed' decodes on a GPU and this process sees none"):
         dali.decode_device("mixed", 0, 1)
+
+
+# --- a Horovod build whose CUDA runtime the node's driver cannot run ---------------------------------------
+
+
+def fake_horovod_build(tmp_path, cuda_runtime: str | None, node_driver: str | None):
+    """(a stand-in for horovod.tensorflow, a /proc): a Horovod package with tools/install_horovod.sh's build record
+    (none for a CPU build), and a node whose NVIDIA kernel module has `node_driver` (none: no driver)."""
+    import types
+
+    package = tmp_path / "site-packages" / "horovod"
+    (package / "tensorflow").mkdir(parents=True)
+    if cuda_runtime:
+        (package / driver.BUILD_RECORD).write_text(json.dumps({"horovod": "0.28.1", "cuda_runtime": cuda_runtime}))
+    proc = tmp_path / "proc"
+    if node_driver:
+        (proc / "driver" / "nvidia").mkdir(parents=True)
+        (proc / "driver" / "nvidia" / "version").write_text(
+            f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {node_driver}  Sat Aug 19 01:15:15 UTC 2023\n")
+    return types.SimpleNamespace(__file__=str(package / "tensorflow" / "__init__.py")), str(proc)
+
+
+def test_a_cuda_13_horovod_on_an_r535_node_is_refused_before_hvd_init_naming_both_versions(tmp_path):
+    hvd, proc = fake_horovod_build(tmp_path, cuda_runtime="13.0", node_driver="535.104.05")
+    with pytest.raises(ConfigError) as err:
+        horovod_start.check_driver(hvd, proc)
+    assert str(err.value).startswith("this Horovod 0.28.1 build runs on a CUDA 13.0 runtime, which needs an NVIDIA "
+                                     "driver >= 580; this node's is 535.104.05: every rank would abort")
+    assert "make horovod-gpu" in str(err.value)
+
+
+@pytest.mark.parametrize("cuda_runtime, node_driver", [
+    ("12.5.1", "535.104.05"),  # the clang route or a CUDA 12 nvcc: TensorFlow's runtime
+    ("13.0", "580.65.06"),
+    ("13.0", None),  # no driver on this node (a login node, this CI machine): nothing to compare
+    (None, "535.104.05"),  # a CPU build records nothing
+])
+def test_builds_the_node_can_run_start(tmp_path, cuda_runtime, node_driver):
+    hvd, proc = fake_horovod_build(tmp_path, cuda_runtime, node_driver)
+    horovod_start.check_driver(hvd, proc)  # no error

@@ -393,5 +393,9 @@ with open(os.path.join(package, driver.BUILD_RECORD), "w") as f:
     json.dump(record, f)
 print(f"install_horovod: recorded for tfscale-doctor's driver check: CUDA {runtime} runtime, NVIDIA driver >= "
       f"{record['min_driver_major']} ({os.path.join(package, driver.BUILD_RECORD)})")
+problems = driver.driver_problems(driver.installed_driver(), {"this Horovod build": runtime})
+if problems:  # built on a GPU node whose driver cannot run it: say so now, not in every rank's abort
+    sys.exit(f"install_horovod: {problems[0]}: update the driver, or build against TensorFlow's CUDA 12 (unset "
+             "HOROVOD_CUDA_HOME: the default clang route, or a CUDA 12 module loaded)")
 PY
 fi

@@ -58,3 +58,14 @@ def horovod_build_record(package_dir: str) -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
+
+
+def horovod_driver_problems(package_dir: str, proc: str = "/proc") -> list[str]:
+    """What the node's driver cannot run of the Horovod build in `package_dir` (its record); [] without a
+    driver, without a record (a CPU build) or when it can."""
+    record = horovod_build_record(package_dir)
+    runtime = record.get("cuda_runtime", "")
+    if not runtime:
+        return []
+    return driver_problems(installed_driver(proc), {f"this Horovod {record.get('horovod', '')} build".replace("  ", " "):
+                                                    runtime})

@@ -12,8 +12,9 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale.cluster import devices, heartbeat
+from tfscale.cluster import devices, driver, heartbeat
 from tfscale.config import HOROVOD_INSTALL_HINT
+from tfscale.errors import ConfigError
 
 
 def import_horovod():
@@ -27,6 +28,15 @@ def import_horovod():
             f"Horovod was built against another TensorFlow than {tf.__version__} ({err}); {HOROVOD_INSTALL_HINT}"
         ) from err
     return hvd
+
+
+def check_driver(hvd, proc: str = "/proc") -> None:
+    """Refuses a Horovod build whose CUDA runtime this node's driver cannot run, before hvd.init(): its first CUDA
+    call would otherwise throw inside a TensorFlow op thread and abort every rank (docs/horovod.md 'Which driver')."""
+    problems = driver.horovod_driver_problems(os.path.dirname(os.path.dirname(hvd.__file__)), proc)
+    if problems:
+        raise ConfigError(f"{problems[0]}: every rank would abort at its first GPU all-reduce. Update the driver, or "
+                          "rebuild Horovod with `make horovod-gpu` (clang over CUDA 12, or a CUDA 12 module loaded)")
 
 
 def _horovod_environment(dist_cfg: ml_collections.ConfigDict, env: dict) -> dict[str, str]:
@@ -80,6 +90,7 @@ def check_horovod_size(size: int, env: dict, controller: str) -> None:
 def init_horovod(dist_cfg: ml_collections.ConfigDict, env: dict) -> tuple[Any, int]:
     """(horovod.tensorflow initialised with the config's knobs, every rank answering; GPUs this rank keeps: 0 or 1)."""
     hvd = import_horovod()
+    check_driver(hvd)
     knobs = _horovod_environment(dist_cfg, env)
     os.environ.update(knobs)
     timeout_s = knobs.get("HOROVOD_GLOO_TIMEOUT_SECONDS", env.get("HOROVOD_GLOO_TIMEOUT_SECONDS"))
