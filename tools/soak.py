@@ -100,7 +100,8 @@ def one_cycle(cycle: int, workdir: str, epochs: float, rng: random.Random) -> di
         target = None
         while launcher.poll() is None:  # wait for training to run, then for a random step of it
             steps = logged_steps(workdir)
-            if target is None and re.search(r"\] step \d+/", open(log_path).read()):  # this run logged a step
+            # This run logged a step, and its metrics line is written (the log line can come first).
+            if target is None and steps and re.search(r"\] step \d+/", open(log_path).read()):
                 last_possible = total_steps - 2
                 target = rng.randint(min(steps[-1] + 1, last_possible), min(steps[-1] + 25, last_possible))
             if target is not None and steps and steps[-1] >= target:
