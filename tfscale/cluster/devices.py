@@ -24,6 +24,7 @@ lists what only a GPU run can prove):
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Mapping
 
 from tfscale.errors import ConfigError
@@ -141,8 +142,6 @@ def hidden_gpus_problem(num_seen: int, cuda_build: bool, env: Mapping[str, str] 
 
 def require_visible_gpus(env: Mapping[str, str] | None = None) -> None:
     """Raises ConfigError (`hidden_gpus_problem`) before a worker connects anywhere: what TensorFlow sees."""
-    import sys
-
     import tensorflow as tf
 
     num_seen = len(tf.config.list_physical_devices("GPU"))

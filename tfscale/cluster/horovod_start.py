@@ -65,7 +65,7 @@ def preflight_horovod(hvd) -> None:
 
 # Where a launcher says how many ranks it started, first match wins: horovodrun / tfscale.launch,
 # mpirun (also inside a Slurm job, whose SLURM_* the ranks inherit), an srun step.
-_LAUNCHER_SIZE_KEYS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
+LAUNCHER_SIZE_KEYS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
 
 
 def check_horovod_size(size: int, env: dict, controller: str) -> None:
@@ -75,7 +75,7 @@ def check_horovod_size(size: int, env: dict, controller: str) -> None:
     of an MPI one without `--mpi=pmix`) gives every task a job of its own (rank 0 of 1), and each
     would train alone and write the same checkpoints.
     """
-    found = next(((key, env[key]) for key in _LAUNCHER_SIZE_KEYS if key in env), None)
+    found = next(((key, env[key]) for key in LAUNCHER_SIZE_KEYS if key in env), None)
     if found is None or int(found[1]) == size:
         return
     key, value = found

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,15 +23,16 @@ import tensorflow as tf
 
 from tfscale import config as tfs_config
 from tfscale import errors
-from tfscale.cluster import distribute
+from tfscale.cluster import distribute, horovod_start
+from tfscale.launch import launch
 
 CONNECT_TIMEOUT_S = 60.0  # the doctor's peers start together: a minute is plenty, and a FAIL comes quickly
 PROBE_TIMEOUT_S = 240.0  # a probe process still running after this is killed and named
 PEER_GRACE_S = 10.0  # after one probe fails, the others get this long to report before they are stopped
 # Where a launcher says how many ranks it started (horovod_start): a lone Horovod probe inside a Slurm step of
 # several tasks must not read the step's task count as its own.
-_LAUNCHER_KEYS = ("HOROVOD_SIZE", "HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
-                  "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_NUM_TASKS", "TF_CONFIG")
+_LAUNCHER_KEYS = (*horovod_start.LAUNCHER_SIZE_KEYS, "HOROVOD_RANK", "HOROVOD_LOCAL_RANK",
+                  "HOROVOD_GLOO_RENDEZVOUS_ADDR", "PMIX_RANK", "TF_CONFIG")
 
 
 def _expected(size: int) -> float:
@@ -55,8 +55,6 @@ def mwms_all_reduce(cluster) -> tuple[float, str]:
 
 
 def horovod_all_reduce(cluster) -> tuple[float, str]:
-    from tfscale.cluster import horovod_start
-
     hvd = horovod_start.import_horovod()
     device = "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
     with tf.device(device):
@@ -66,18 +64,6 @@ def horovod_all_reduce(cluster) -> tuple[float, str]:
 
 
 # --- the doctor's side: starting probes and reading their verdicts -----------------------------------------
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` TCP ports on 127.0.0.1 that nothing listens on now."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _verdict(process: subprocess.Popen, stdout: str, stderr: str) -> tuple[bool, str]:
@@ -119,7 +105,7 @@ def run_probes(envs: list[dict], backend: str, collective_impl: str = "AUTO") ->
 def local_mwms_envs(num_gpus: int, port_base: int = 0) -> list[dict]:
     """Two MWMS workers on 127.0.0.1, one GPU each (local ranks 0 and 1). One GPU cannot serve two NCCL ranks:
     then both run on the CPU."""
-    ports = [port_base, port_base + 1] if port_base else free_ports(2)
+    ports = [port_base, port_base + 1] if port_base else launch.free_ports(2)
     workers = [f"127.0.0.1:{port}" for port in ports]
     base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_KEYS}
     base.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
