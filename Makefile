@@ -122,14 +122,19 @@ CPU_ON_PURPOSE := $(if $(filter cpu,$(TF_EXTRA)),CUDA_VISIBLE_DEVICES=-1)
 demo: venv
 	$(CPU_ON_PURPOSE) $(PY) tools/digits_demo.py --workdir=runs/demo
 
+# Two pytest-xdist workers, whole test files to each, the files with the most multi-process tests first
+# (tests/conftest.py; docs/testing.md has the figures). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(CPU_ON_PURPOSE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: venv mpi horovod dali slurm fashion-mnist
-	$(CPU_ON_PURPOSE) $(PY) -m pytest -q --durations=20
+	$(PYTEST) --durations=20
 
 test-fast: venv
-	$(CPU_ON_PURPOSE) $(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-slow: venv mpi horovod dali slurm fashion-mnist
-	$(CPU_ON_PURPOSE) $(PY) -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 # tfscale's training input (tf.data, and DALI when `make dali` installed it) vs a plain Model-Garden-style pipeline,
 # the decode-only ceiling and Keras' image_dataset_from_directory, on real-photo JPEGs (batch 64, 224 px), rounds

@@ -1,9 +1,11 @@
 """Shared test set-up: quiet TensorFlow, repo paths, config loading as the CLI does it, workdir readers."""
 
 import contextlib
+import fcntl
 import json
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -19,6 +21,44 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # scikit-learn, which only the test venv has (0.85 s of each process's start; its docstring says why).
 _SITE = os.path.join(REPO, "tests", "helpers", "site")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
+
+
+# --- running beside another test (`make test` runs two pytest-xdist workers, a test file to each) -------------
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most `slow` (multi-process) tests first: the two workers take whole files in this
+    order (--dist loadfile --no-loadscope-reorder), so the long files start early and the short ones even
+    out the end."""
+    slow_tests = {}
+    for item in items:
+        slow_tests.setdefault(item.path, 0)
+        slow_tests[item.path] += item.get_closest_marker("slow") is not None
+    order = {path: rank for rank, path in enumerate(sorted(slow_tests, key=lambda p: (-slow_tests[p], p.name)))}
+    items.sort(key=lambda item: order[item.path])  # stable: a file's tests keep their order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a test marked `alone` runs (setup to teardown) with no test of the other worker
+    beside it; every other test shares the machine. A readers-writer lock on two files: a test marked
+    `alone` holds the turnstile while it waits, so the other worker cannot keep it out test after test."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_id:  # one process: nothing runs beside anything
+        yield
+        return
+    prefix = os.path.join(tempfile.gettempdir(), f"tfscale-tests-{run_id}")
+    with open(prefix + ".turnstile", "a") as turnstile, open(prefix + ".machine", "a") as machine:
+        alone = item.get_closest_marker("alone") is not None
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if alone:
+            fcntl.flock(machine, fcntl.LOCK_EX)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        if not alone:
+            fcntl.flock(machine, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
 
 
 def load_config(name: str, *overrides: str):

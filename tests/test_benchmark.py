@@ -146,6 +146,7 @@ def test_synthetic_mode_one_process_with_profiler_trace(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the first bucket's all-reduce under way before the backward pass ends: a matter of timing
 @pytest.mark.parametrize("backend, mode", [("mwms", "train"), ("horovod", "synthetic")])
 def test_two_workers_chief_reports_both(backend, mode, tmp_path, monkeypatch):
     if backend == "horovod":
