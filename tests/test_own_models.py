@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import REPO, load_config, quiet_env
+from helpers.models_cli_batch import run_batch
 
 from tfscale.config import validation
 from tfscale.errors import ConfigError
@@ -204,19 +205,33 @@ def bad_builders(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def refused_runs(bad_builders, tmp_path_factory):
+    """{case: (the command's CompletedProcess, its workdir)}: every REFUSALS command line as the user types it,
+    `python -m tfscale.train ...`, each its own process with its own exit code and stderr; the processes
+    are forked from one that imported tfscale.train's modules once (tests/helpers/models_cli_batch.py),
+    so 13 refusals cost one TensorFlow import instead of 13."""
+    root = tmp_path_factory.mktemp("refused")
+    commands, workdirs = [], {}
+    for case, overrides, _ in REFUSALS:
+        args = [arg.format(dir=bad_builders) for arg in overrides]
+        config = next((a for a in args if a.startswith("--config=")), "--config=configs/smoke.py")
+        workdirs[case] = root / case.replace(" ", "_") / "run"
+        commands.append([config, f"--workdir={workdirs[case]}", *(a for a in args if not a.startswith("--config="))])
+    results = run_batch("tfscale.train", commands, preload=["tfscale.training.train"], cwd=REPO, env=quiet_env(),
+                        timeout_s=300 + 60 * len(commands))
+    return {case: (result, workdirs[case]) for (case, _, _), result in zip(REFUSALS, results)}
+
+
 @pytest.mark.parametrize("case, overrides, message", REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_a_model_tfscale_cannot_train_is_refused_at_start_up(case, overrides, message, bad_builders, tmp_path):
-    args = [arg.format(dir=bad_builders) for arg in overrides]
-    config = next((a for a in args if a.startswith("--config=")), "--config=configs/smoke.py")
-    args = [a for a in args if not a.startswith("--config=")]
-    result = subprocess.run([sys.executable, "-m", "tfscale.train", config, f"--workdir={tmp_path / 'run'}", *args],
-                            cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
+def test_a_model_tfscale_cannot_train_is_refused_at_start_up(case, overrides, message, refused_runs):
+    result, workdir = refused_runs[case]
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "config error" in line]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     # Refused before connecting or claiming the workdir: nothing written.
-    assert not os.path.exists(tmp_path / "run" / "config.json")
+    assert not os.path.exists(workdir / "config.json")
 
 
 @pytest.mark.slow
