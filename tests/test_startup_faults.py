@@ -23,7 +23,11 @@ from tfscale.launch import launch
 from tfscale.workdir import layout
 
 EXIT_CLUSTER_UNAVAILABLE = 69
+# Both workers of the wrong-port test must register within this, each after its own start-up on a busy machine.
 CONNECT_TIMEOUT_S = 5
+# Where a worker never starts, no wait is long enough for it: the shortest timeout proves the same, and the
+# start-up of the one worker that runs comes before the timeout begins (it is in MARGIN_S).
+MISSING_PEER_TIMEOUT_S = 1
 # Python + TensorFlow start-up on a busy 2-core machine, the ~5 s a non-leader's registration takes
 # beyond the timeout (TF 2.21), and the peer probe: "within the timeout" means within this much more.
 MARGIN_S = 25
@@ -80,9 +84,10 @@ def test_worker_that_never_starts_is_named_within_the_connect_timeout(tmp_path, 
     """2-worker TF_CONFIG, one worker started: TensorFlow's registration timeout ends it, the probe names the other."""
     addresses = addresses_of(launch.free_ports(2))
     missing = 1 - started
-    code, elapsed_s, stderr = run_worker(train_command(tmp_path / "run"), tf_config(addresses, started))
-    assert_unavailable(code, elapsed_s, stderr, CONNECT_TIMEOUT_S + MARGIN_S,
-                       f"the cluster did not come up within distribute.connect_timeout_s={CONNECT_TIMEOUT_S}s",
+    code, elapsed_s, stderr = run_worker(train_command(tmp_path / "run", MISSING_PEER_TIMEOUT_S),
+                                         tf_config(addresses, started))
+    assert_unavailable(code, elapsed_s, stderr, MISSING_PEER_TIMEOUT_S + MARGIN_S,
+                       f"the cluster did not come up within distribute.connect_timeout_s={MISSING_PEER_TIMEOUT_S}s",
                        f"no answer from: worker {missing} at {addresses[missing]} (Connection refused)")
     assert not (tmp_path / "run" / layout.CHECKPOINTS).exists()  # nothing trained, nothing written
     print(f"worker {started} alone: exit {code} after {elapsed_s:.1f} s")
@@ -163,10 +168,11 @@ def test_watchdog_ends_a_hung_connect_with_exit_69(tmp_path):
     names the silent worker at connect_timeout_s and the C-level signal handler exits 69, not SIGKILL's 137."""
     addresses = addresses_of(launch.free_ports(2))
     code, elapsed_s, stderr = run_worker(
-        [sys.executable, "-c", SETUP_SCRIPT, "no_tf_timeout", "none", str(CONNECT_TIMEOUT_S)], tf_config(addresses, 0))
-    assert_unavailable(code, elapsed_s, stderr, CONNECT_TIMEOUT_S + MARGIN_S,
-                       f"the cluster did not come up within distribute.connect_timeout_s={CONNECT_TIMEOUT_S}s "
-                       f"(the watchdog stepped in after {CONNECT_TIMEOUT_S}s)",
+        [sys.executable, "-c", SETUP_SCRIPT, "no_tf_timeout", "none", str(MISSING_PEER_TIMEOUT_S)],
+        tf_config(addresses, 0))
+    assert_unavailable(code, elapsed_s, stderr, MISSING_PEER_TIMEOUT_S + MARGIN_S,
+                       f"the cluster did not come up within distribute.connect_timeout_s={MISSING_PEER_TIMEOUT_S}s "
+                       f"(the watchdog stepped in after {MISSING_PEER_TIMEOUT_S}s)",
                        f"no answer from: worker 1 at {addresses[1]} (Connection refused)")
     assert "did not exit on signal" not in stderr  # no SIGKILL was needed
     print(f"watchdog: exit {code} after {elapsed_s:.1f} s")
@@ -181,12 +187,12 @@ def test_launcher_exits_69_and_says_why():
     started = time.time()
     result = subprocess.run(
         [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--grace_period_s=2", "--",
-         "-c", SETUP_SCRIPT, "tf_timeout", "1", str(CONNECT_TIMEOUT_S)],
+         "-c", SETUP_SCRIPT, "tf_timeout", "1", str(MISSING_PEER_TIMEOUT_S)],
         cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=180,
     )
     elapsed_s = time.time() - started
     assert result.returncode == EXIT_CLUSTER_UNAVAILABLE, result.stderr[-3000:]
-    assert elapsed_s < CONNECT_TIMEOUT_S + MARGIN_S, f"took {elapsed_s:.1f} s"
+    assert elapsed_s < MISSING_PEER_TIMEOUT_S + MARGIN_S, f"took {elapsed_s:.1f} s"
     assert "[rank 0] " in result.stderr and "no answer from: worker 1 at 127.0.0.1:" in result.stderr
     assert "tfscale.launch: rank 0 exited with code 69; stopping the other 1 worker(s)" in result.stderr
     assert ("tfscale.launch: exit code 69 (EX_UNAVAILABLE): a worker was not there. Either the cluster did not come "
