@@ -35,6 +35,48 @@ def setup_with_gpus(num_gpus: int, backend: str, *overrides: str, **env: str) ->
     return report
 
 
+SCENARIOS = os.path.join(REPO, "tests", "helpers", "perf_fake_gpu_scenarios.py")
+
+
+def setups_in_one_process(*scenarios: dict) -> list[dict]:
+    """`setup_with_gpus` of each scenario ({"num_gpus", "backend", "env"}), in order, in one fresh process; their
+    JSON reports. Every scenario but the last must be refused before it sets anything up (the helper checks),
+    so that each one meets the process as a fresh one would."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("SLURM_", "TF_CONFIG", "TFSCALE_", "OMPI_", "CUDA_VISIBLE_DEVICES"))}
+    result = subprocess.run([sys.executable, SCENARIOS, json.dumps(scenarios)], cwd=REPO,
+                            env={**clean, "TF_CPP_MIN_LOG_LEVEL": "2"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"scenario": ')]
+    assert [report.pop("scenario") for report in reports] == list(range(len(scenarios)))
+    return reports
+
+
+@pytest.fixture(scope="module")
+def refused_workers_then_a_local_rank():
+    """The workers below that are refused before they connect, and last the multi-worker MWMS worker of local rank 2
+    (a real set-up): one process instead of one each, as a refused set-up leaves nothing behind."""
+    from tfscale.launch import launch
+
+    def tf_config(workers, index):
+        return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+
+    # never contacted: the refusals come first
+    two_workers, three_workers = ["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    port = launch.free_ports(1)[0]
+    scenarios = {
+        "more_workers_than_gpus": {"num_gpus": 2, "backend": "mwms",
+                                   "env": {"TF_CONFIG": tf_config(three_workers, 2), "SLURM_LOCALID": "2"}},
+        **{f"no_gpu_seen_{backend}": {"num_gpus": 0, "backend": backend,
+                                      "env": {"TF_CONFIG": tf_config(two_workers, 0), "SLURM_GPUS_ON_NODE": "4",
+                                              "SLURM_LOCALID": "0"}}
+           for backend in ("mwms", "horovod")},
+        "local_rank_2": {"num_gpus": 4, "backend": "mwms",
+                         "env": {"TF_CONFIG": tf_config([f"127.0.0.1:{port}"], 0), "TFSCALE_LOCAL_RANK": "2"}},
+    }
+    return dict(zip(scenarios, setups_in_one_process(*scenarios.values())))
+
+
 def growth(*indices):
     return [["memory_growth", f"/physical_device:GPU:{i}", True] for i in indices]
 
@@ -51,19 +93,15 @@ def test_every_backend_turns_memory_growth_on_before_its_strategy(backend):
         assert report["calls"] == growth(0, 1)
 
 
-def test_a_multi_worker_mwms_worker_keeps_the_gpu_of_its_local_rank(tmp_path):
-    from tfscale.launch import launch
-
-    port = launch.free_ports(1)[0]
-    tf_config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}})
-    report = setup_with_gpus(4, "mwms", TF_CONFIG=tf_config, TFSCALE_LOCAL_RANK="2")
+def test_a_multi_worker_mwms_worker_keeps_the_gpu_of_its_local_rank(refused_workers_then_a_local_rank):
+    # A one-worker TF_CONFIG on a free port (the worker connects to itself), local rank 2 of 4 GPUs.
+    report = refused_workers_then_a_local_rank["local_rank_2"]
     assert report["calls"] == [["visible", "/physical_device:GPU:2"], *growth(2)]
 
 
-def test_more_workers_than_gpus_on_a_node_stops_before_connecting():
-    workers = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]  # never contacted: the check comes first
-    tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": 2}})
-    report = setup_with_gpus(2, "mwms", TF_CONFIG=tf_config, SLURM_LOCALID="2")
+def test_more_workers_than_gpus_on_a_node_stops_before_connecting(refused_workers_then_a_local_rank):
+    # Worker 2 of 3 (SLURM_LOCALID=2) on a node that shows 2 GPUs; the workers are never contacted.
+    report = refused_workers_then_a_local_rank["more_workers_than_gpus"]
     assert report["calls"] == []
     assert "worker with local rank 2" in report["config_error"]
     assert "shows 2 GPUs to each worker (0-1): more worker processes than GPUs" in report["config_error"]
@@ -116,12 +154,12 @@ def test_gpus_hidden_on_purpose_or_seen_are_not_refused(tmp_path, env, num_seen)
 
 
 @pytest.mark.parametrize("backend", ["mwms", "horovod"])
-def test_a_worker_that_sees_no_gpu_where_slurm_allocated_some_stops_before_connecting(backend):
-    # This machine's tensorflow-cpu sees no GPU; Slurm says the task has 4. MWMS would contact the workers of
-    # TF_CONFIG (never started here) and Horovod would join its rendezvous: the refusal comes first.
-    workers = ["127.0.0.1:1", "127.0.0.1:2"]
-    tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": 0}})
-    report = setup_with_gpus(0, backend, TF_CONFIG=tf_config, SLURM_GPUS_ON_NODE="4", SLURM_LOCALID="0")
+def test_a_worker_that_sees_no_gpu_where_slurm_allocated_some_stops_before_connecting(backend,
+                                                                                      refused_workers_then_a_local_rank):
+    # This machine's tensorflow-cpu sees no GPU; Slurm says the task has 4 (SLURM_GPUS_ON_NODE=4, worker 0 of a
+    # 2-worker TF_CONFIG). MWMS would contact the workers of TF_CONFIG (never started here) and Horovod would
+    # join its rendezvous: the refusal comes first.
+    report = refused_workers_then_a_local_rank[f"no_gpu_seen_{backend}"]
     assert report["calls"] == []  # not even memory growth: nothing of the GPU set-up ran
     assert report["config_error"].startswith("the node has 4 GPU(s) (SLURM_GPUS_ON_NODE=4) but TensorFlow sees none: "
                                              f"the Python environment {sys.prefix} has a TensorFlow built without CUDA")
