@@ -31,18 +31,19 @@ SMOKE = ["--config=configs/smoke.py", "--config.train.log_every_steps=10"]
 pytestmark = pytest.mark.slow
 
 
-def launch_command(tmp_path, workdir_, num_workers, *args, backend="mwms", faults=()):
+def launch_command(tmp_path, workdir_, num_workers, *args, backend="mwms", faults=(), launcher=()):
+    """`launcher`: more tfscale.launch flags (before the `--`)."""
     weights = os.path.join(tmp_path, "w{rank}.npz")  # the driver's own file per worker
     return [sys.executable, "-m", "tfscale.launch", f"--num_workers={num_workers}", "--threads_per_worker=1",
-            f"--backend={backend}", "--", DRIVER, weights, *faults, *SMOKE, f"--workdir={workdir_}",
+            f"--backend={backend}", *launcher, "--", DRIVER, weights, *faults, *SMOKE, f"--workdir={workdir_}",
             f"--config.distribute.backend={backend}", *args]
 
 
-def launch(tmp_path, workdir_, num_workers, *args, backend="mwms", faults=(), timeout_s=300):
+def launch(tmp_path, workdir_, num_workers, *args, backend="mwms", faults=(), launcher=(), timeout_s=300):
     """Runs the launch to its end; CompletedProcess with stdout and stderr in `.stdout`."""
-    return subprocess.run(launch_command(tmp_path, workdir_, num_workers, *args, backend=backend, faults=faults),
-                          cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout_s)
+    command = launch_command(tmp_path, workdir_, num_workers, *args, backend=backend, faults=faults, launcher=launcher)
+    return subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout_s)
 
 
 def rows(workdir_, kind="loss"):
@@ -467,6 +468,12 @@ def shards_with_bad_images(tmp_path_factory):
     return {"train_bad": train_dir, "eval_bad": eval_bad_dir, "num_train": num_train, "num_eval": num_eval}
 
 
+# For the launches a corrupt image ends: the other worker may be waiting in a collective its failed peer never
+# joins, where it cannot act on the launcher's SIGTERM, and then waits out the launcher's whole grace period
+# (10 s by default) before the SIGKILL; nothing here reads how that worker ends.
+SHORT_GRACE = ["--grace_period_s=1"]
+
+
 def on_shards(data, data_dir, *extra):
     return ["--config.data.dataset=tfrecord", f"--config.data.data_dir={data_dir}", "--config.data.label_offset=1",
             f"--config.data.num_train_examples={data['num_train']}", f"--config.data.num_eval_examples={data['num_eval']}",
@@ -478,7 +485,7 @@ def on_shards(data, data_dir, *extra):
 def test_corrupt_train_image_stops_naming_shard_and_record_or_is_skipped_and_counted(shards_with_bad_images, tmp_path):
     data = shards_with_bad_images
     shard = data["train_bad"] / "train-00001-of-00002"
-    stopped = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["train_bad"]))
+    stopped = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["train_bad"]), launcher=SHORT_GRACE)
     assert stopped.returncode == 65, stopped.stdout[-3000:]
     assert f"corrupt image: {shard}: record 2 (" in stopped.stdout and f"; {shard}: record 4 (" in stopped.stdout
     assert "--config.data.skip_corrupt_images=True" in stopped.stdout
@@ -499,7 +506,8 @@ def test_corrupt_train_image_stops_naming_shard_and_record_or_is_skipped_and_cou
 
 def test_corrupt_eval_image_always_stops_naming_it(shards_with_bad_images, tmp_path):
     data = shards_with_bad_images
-    result = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["eval_bad"]), "--config.data.skip_corrupt_images=True")
+    result = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["eval_bad"]),
+                    "--config.data.skip_corrupt_images=True", launcher=SHORT_GRACE)
     assert result.returncode == 65, result.stdout[-3000:]
     assert f"corrupt image: {data['eval_bad']}/validation-00000-of-00001: record 6 (" in result.stdout
     assert "Evaluation never skips an image" in result.stdout
@@ -510,11 +518,13 @@ def test_corrupt_image_read_by_dali_stops_naming_shard_and_record(shards_with_ba
     pytest.importorskip("tfscale.data.input.dali", reason="NVIDIA DALI is not installed: `make dali` (make test runs it)")
     data = shards_with_bad_images
     shard = data["train_bad"] / "train-00001-of-00002"
-    stopped = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["train_bad"]), "--config.data.loader=dali")
+    stopped = launch(tmp_path, tmp_path / "run", 2, *on_shards(data, data["train_bad"]), "--config.data.loader=dali",
+                     launcher=SHORT_GRACE)
     assert stopped.returncode == 65, stopped.stdout[-3000:]
     assert f"corrupt image: {shard}: record 2 (" in stopped.stdout and f"; {shard}: record 4 (" in stopped.stdout
     assert "--config.data.loader=tfdata --config.data.skip_corrupt_images=True (DALI cannot skip them)" in stopped.stdout
-    result = launch(tmp_path, tmp_path / "eval_run", 2, *on_shards(data, data["eval_bad"]), "--config.data.loader=dali")
+    result = launch(tmp_path, tmp_path / "eval_run", 2, *on_shards(data, data["eval_bad"]), "--config.data.loader=dali",
+                    launcher=SHORT_GRACE)
     assert result.returncode == 65, result.stdout[-3000:]
     assert f"corrupt image: {data['eval_bad']}/validation-00000-of-00001: record 6 (" in result.stdout
 
