@@ -533,13 +533,23 @@ def test_corrupt_image_read_by_dali_stops_naming_shard_and_record(shards_with_ba
 # --- 10. kill -9 of a worker in the pre-flight all-reduce, during restore, during eval ---------------
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_60(tmp_path_factory):
-    """The final checkpoint of a 2-worker smoke run of 60 steps that nothing interrupted."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    result = launch(root, root / "run", 2)
-    assert result.returncode == 0, result.stdout[-3000:]
-    return checkpoint_values(root / "run")
+@pytest.fixture
+def uninterrupted_60(tmp_path):
+    """A 2-worker smoke run of 60 steps that nothing interrupts, started at once: it runs while the test waits
+    out its survivors' timeouts. Calling it waits for the run and returns the values of its final checkpoint."""
+    root = tmp_path / "uninterrupted"
+    os.makedirs(root)
+    proc, log = start(root, root / "run", 2)
+
+    def final_checkpoint():
+        code, output = finish(proc, log)
+        assert code == 0, output[-3000:]
+        return checkpoint_values(root / "run")
+
+    yield final_checkpoint
+    if proc.poll() is None:  # the test failed before it read the run
+        proc.kill()
+        proc.wait()
 
 
 def test_worker_killed_in_preflight_restore_or_eval_ends_the_job_in_bounded_time_and_resume_is_exact(
@@ -573,9 +583,9 @@ def test_worker_killed_in_preflight_restore_or_eval_ends_the_job_in_bounded_time
     assert final.returncode == 0, final.stdout[-3000:]
     assert f"resumed from {run}/checkpoints/ckpt-20 at step 20" in final.stdout
     assert steps_of(run) == [10, 20, 30, 40, 50, 60] and steps_of(run, "eval_top1") == [30, 60]
-    resumed = checkpoint_values(run)
-    assert resumed.keys() == uninterrupted_60.keys()
-    for key, value in uninterrupted_60.items():  # the same weights and slots as without the kills
+    resumed, uninterrupted = checkpoint_values(run), uninterrupted_60()
+    assert resumed.keys() == uninterrupted.keys()
+    for key, value in uninterrupted.items():  # the same weights and slots as without the kills
         np.testing.assert_allclose(resumed[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
 
 
