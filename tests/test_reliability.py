@@ -591,8 +591,10 @@ def test_worker_killed_in_preflight_restore_or_eval_ends_the_job_in_bounded_time
 
 # --- 13. a hung peer -----------------------------------------------------------------------------
 
-HEARTBEAT_TIMEOUT_S = 8
-LAUNCHER_GRACE_S = 2  # the launcher SIGKILLs the stopped worker this long after the other one ended
+# How long the job waits for the stopped worker: the value the kill -9 test above, test_multiworker and
+# test_startup_faults run their workers with (tfscale's own heartbeat then beats every second).
+HEARTBEAT_TIMEOUT_S = 5
+LAUNCHER_GRACE_S = 1  # the launcher SIGKILLs the stopped worker this long after the other one ended
 # What detection may take beyond the timeout: TensorFlow's coordination service and tfscale's heartbeat both
 # check a few times per timeout, then the error path runs on a loaded 2-core host.
 HUNG_PEER_MARGIN_S = 12
