@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 from conftest import REPO
-from test_multiworker import (DRIVER, assert_weights_close, kill_rank1_once_training, logged_steps, quiet_env, read_log,
-                              sigterm_then_resume, start_workers, weights)
+from test_multiworker import (DRIVER, PREEMPTED_EPOCHS, PREEMPTED_STEPS, assert_weights_close, kill_rank1_once_training,
+                              logged_steps, quiet_env, read_log, sigterm_then_resume, start_workers, weights)
 
 from tfscale import config as tfs_config
 from tfscale.cluster import collectives, distribute, horovod_start
@@ -124,9 +124,9 @@ def test_horovodrun_launches_training(tmp_path):
 def test_sigterm_stops_both_ranks_at_one_step_then_resume_finishes(tmp_path):
     workdir = str(tmp_path / "run")
     command = launch_command(2, "horovod", "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
-                             "--config.distribute.backend=horovod", "--config.train.epochs=10",
+                             "--config.distribute.backend=horovod", f"--config.train.epochs={PREEMPTED_EPOCHS}",
                              "--config.train.log_every_steps=5")
-    sigterm_then_resume(command, workdir, str(tmp_path))
+    sigterm_then_resume(command, workdir, str(tmp_path), train_steps=PREEMPTED_STEPS)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import time
 import pytest
 from conftest import REPO
 from test_horovod import SHORT, assert_ranks_agree_and_match_mwms, mwms_two_workers  # noqa: F401  (a fixture)
-from test_multiworker import DRIVER, logged_steps, quiet_env
+from test_multiworker import DRIVER, PREEMPTED_EPOCHS, PREEMPTED_STEPS, logged_steps, quiet_env
 
 from tfscale.cluster import horovod_start
 from tfscale.workdir import layout
@@ -125,7 +125,7 @@ def test_sigterm_to_the_ranks_checkpoints_both_then_mpirun_reruns_to_the_end(tmp
     processes): both stop at one step, save, exit 75, and mpirun reports 75; the same command resumes."""
     workdir, log_path = str(tmp_path / "run"), tmp_path / "first.log"
     command = mpirun(sys.executable, "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
-                     "--config.distribute.backend=horovod", "--config.train.epochs=10",
+                     "--config.distribute.backend=horovod", f"--config.train.epochs={PREEMPTED_EPOCHS}",
                      "--config.train.log_every_steps=5")
     launcher = start(command, log_path)
     try:
@@ -142,14 +142,15 @@ def test_sigterm_to_the_ranks_checkpoints_both_then_mpirun_reruns_to_the_end(tmp
     saved = [int(line.split("checkpoint saved at step ")[1].split(";")[0]) for line in log.splitlines()
              if "checkpoint saved at step" in line]
     assert len(saved) == 2 and saved[0] == saved[1], f"both ranks must stop at the same step: {saved}"
-    assert 20 <= saved[0] < 200 and os.path.exists(os.path.join(workdir, layout.CHECKPOINTS, f"ckpt-{saved[0]}.index"))
+    assert 20 <= saved[0] < PREEMPTED_STEPS and os.path.exists(
+        os.path.join(workdir, layout.CHECKPOINTS, f"ckpt-{saved[0]}.index"))
 
     second = subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-3000:]
     assert f"resumed from {os.path.join(workdir, layout.CHECKPOINTS, f'ckpt-{saved[0]}')}" in second.stdout
     steps = [r["step"] for r in logged_steps(workdir)]
-    assert steps == sorted(set(steps)) and steps[-1] == 200
+    assert steps == sorted(set(steps)) and steps[-1] == PREEMPTED_STEPS
 
 
 # --- without processes ------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ import ml_collections
 import numpy as np
 import pytest
 from conftest import REPO, load_config
-from test_multiworker import (DRIVER, assert_weights_close, first_errors, logged_steps, quiet_env, read_log,
-                              sigterm_then_resume, start_workers, wait_all, weights)
+from test_multiworker import (DRIVER, PREEMPTED_EPOCHS, PREEMPTED_STEPS, assert_weights_close, first_errors,
+                              logged_steps, quiet_env, read_log, sigterm_then_resume, start_workers, wait_all, weights)
 
 from tfscale import config as tfs_config
 from tfscale.config import validation
@@ -274,7 +274,8 @@ def test_two_households_of_two_workers(tmp_path, backend):
 @pytest.mark.slow
 def test_sigterm_under_local_sgd_stops_at_a_world_sync_and_resumes_exactly(tmp_path):
     # Uninterrupted reference, then the same run preempted and resumed: syncs every 8 steps, logs every 5.
-    long_run = ["--config.train.epochs=10", "--config.train.log_every_steps=5", "--config.train.steps_per_loop=100",
+    long_run = [f"--config.train.epochs={PREEMPTED_EPOCHS}", "--config.train.log_every_steps=5",
+                "--config.train.steps_per_loop=100",
                 "--config.schedule.decay=constant", "--config.distribute.backend=mwms", *LOCAL,
                 "--config.distribute.sync_period=8"]
     reference = tmp_path / "reference"
@@ -286,11 +287,14 @@ def test_sigterm_under_local_sgd_stops_at_a_world_sync_and_resumes_exactly(tmp_p
     assert done.returncode == 0, first_errors(done.stdout + done.stderr)
     preempted = tmp_path / "preempted"
     os.makedirs(preempted)
-    stopped_at = sigterm_then_resume(command(preempted), str(preempted / "run"), str(preempted))
+    stopped_at = sigterm_then_resume(command(preempted), str(preempted / "run"), str(preempted),
+                                     train_steps=PREEMPTED_STEPS)
     assert stopped_at % 8 == 0, f"stopped at step {stopped_at}, not at a world sync"
     assert_weights_close(weights(preempted / "w0.npz"), weights(reference / "w0.npz"), rtol=0, atol=0)
-    # The count is checkpointed: the resumed run reports all 25 syncs of 200 steps, not only its own.
-    assert json.load(open(preempted / "run" / layout.SUMMARY))["world_syncs"] == 200 // 8
+    # The count is checkpointed: the resumed run reports all 13 syncs of 100 steps (every 8th step and
+    # the last, as the plan above has it), not only its own.
+    all_syncs = [*range(8, PREEMPTED_STEPS, 8), PREEMPTED_STEPS]
+    assert json.load(open(preempted / "run" / layout.SUMMARY))["world_syncs"] == len(all_syncs)
 
 
 # --- accuracy on real data --------------------------------------------------------------------------------------

@@ -177,9 +177,16 @@ def first_errors(output: str, lines: int = 30) -> str:
     return "\n".join(errors[:lines]) + "\n...\n" + output[-1500:]
 
 
-def sigterm_then_resume(command, workdir, log_dir) -> int:
-    """Runs `command` (a 2-worker launch of 200 steps), sends the launcher SIGTERM after step 20, checks
-    that both workers checkpoint the same step and exit 75, reruns it to the end; returns that step."""
+# The preempted runs: 100 steps of the smoke recipe (5 epochs of 20). SIGTERM comes once step 20 is
+# logged, and a stop takes a loop of 5 steps (a world sync of 8 under local SGD): the 80 steps left
+# (3-7 s of training on an idle machine, by backend) keep the run from ending before the signal.
+PREEMPTED_EPOCHS = 5
+PREEMPTED_STEPS = 100
+
+
+def sigterm_then_resume(command, workdir, log_dir, train_steps=200) -> int:
+    """Runs `command` (a 2-worker launch of `train_steps` steps), sends the launcher SIGTERM after step 20,
+    checks that both workers checkpoint the same step and exit 75, reruns it to the end; returns that step."""
     log = open(os.path.join(log_dir, "first.log"), "w")
     launcher = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
     first_log = lambda: open(os.path.join(log_dir, "first.log")).read()  # noqa: E731
@@ -193,7 +200,7 @@ def sigterm_then_resume(command, workdir, log_dir) -> int:
              if "checkpoint saved at step" in line]
     assert len(saved) == 2 and saved[0] == saved[1], f"both workers must stop at the same step: {saved}"
     stopped_at = saved[0]
-    assert 20 <= stopped_at < 200
+    assert 20 <= stopped_at < train_steps
     assert os.path.exists(os.path.join(workdir, layout.CHECKPOINTS, f"ckpt-{stopped_at}.index"))
 
     second = subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -201,8 +208,8 @@ def sigterm_then_resume(command, workdir, log_dir) -> int:
     assert second.returncode == 0, first_errors(second.stdout)
     assert f"resumed from {os.path.join(workdir, layout.CHECKPOINTS, f'ckpt-{stopped_at}')}" in second.stdout
     steps = [r["step"] for r in logged_steps(workdir)]
-    assert steps == sorted(set(steps)) and steps[-1] == 200  # nothing repeated, finished
-    assert json.load(open(os.path.join(workdir, layout.SUMMARY)))["steps"] == 200
+    assert steps == sorted(set(steps)) and steps[-1] == train_steps  # nothing repeated, finished
+    assert json.load(open(os.path.join(workdir, layout.SUMMARY)))["steps"] == train_steps
     return stopped_at
 
 
@@ -211,8 +218,9 @@ def test_sigterm_saves_checkpoint_then_relaunch_finishes(tmp_path):
     workdir = str(tmp_path / "run")
     command = [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1", "--",
                "-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
-               "--config.distribute.backend=mwms", "--config.train.epochs=10", "--config.train.log_every_steps=5"]
-    sigterm_then_resume(command, workdir, str(tmp_path))
+               "--config.distribute.backend=mwms", f"--config.train.epochs={PREEMPTED_EPOCHS}",
+               "--config.train.log_every_steps=5"]
+    sigterm_then_resume(command, workdir, str(tmp_path), train_steps=PREEMPTED_STEPS)
 
 
 @pytest.mark.slow
