@@ -7,8 +7,6 @@ refusal through the real `tfscale.train` command line: one line, exit code 1, no
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import keras
@@ -217,8 +215,9 @@ def refused_runs(bad_builders, tmp_path_factory):
         args = [arg.format(dir=bad_builders) for arg in overrides]
         config = next((a for a in args if a.startswith("--config=")), "--config=configs/smoke.py")
         workdirs[case] = root / case.replace(" ", "_") / "run"
-        commands.append([config, f"--workdir={workdirs[case]}", *(a for a in args if not a.startswith("--config="))])
-    results = run_batch("tfscale.train", commands, preload=["tfscale.training.train"], cwd=REPO, env=quiet_env(),
+        args = [a for a in args if not a.startswith("--config=")]
+        commands.append(["-m", "tfscale.train", config, f"--workdir={workdirs[case]}", *args])
+    results = run_batch(commands, preload=["tfscale.training.train"], cwd=REPO, env=quiet_env(),
                         timeout_s=300 + 60 * len(commands))
     return {case: (result, workdirs[case]) for (case, _, _), result in zip(REFUSALS, results)}
 
@@ -234,24 +233,38 @@ def test_a_model_tfscale_cannot_train_is_refused_at_start_up(case, overrides, me
     assert not os.path.exists(workdir / "config.json")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant, precision", [("amp", "mixed_float16"), ("amp_bf16", "mixed_bfloat16"),
-                                                 ("xla", "float32")])
-def test_a_gpu_variant_trains_an_application_through_the_cli(variant, precision, tmp_path):
-    """The GPU recipes' precision + XLA on a keras.applications model (on CPU here, slowly)."""
-    import math
+GPU_VARIANTS = [("amp", "mixed_float16"), ("amp_bf16", "mixed_bfloat16"), ("xla", "float32")]
 
-    result = subprocess.run(
-        [sys.executable, "-m", "tfscale.train", f"--config=configs/r50_1gpu.py:{variant}", f"--workdir={tmp_path}",
+
+@pytest.fixture(scope="module")
+def gpu_variant_runs(tmp_path_factory):
+    """{variant: (CompletedProcess, workdir)}: each variant's `python -m tfscale.train` run, its own process
+    forked from one that imported tfscale.train's modules once (tests/helpers/models_cli_batch.py)."""
+    root = tmp_path_factory.mktemp("variants")
+    workdirs = {variant: root / variant for variant, _ in GPU_VARIANTS}
+    commands = [
+        ["-m", "tfscale.train", f"--config=configs/r50_1gpu.py:{variant}", f"--workdir={workdirs[variant]}",
          "--config.model.name=keras.applications.MobileNetV3Small", "--config.data.dataset=synthetic_learnable",
          *SMALL, "--config.data.global_batch_size=16", "--config.data.num_train_examples=160",
          "--config.data.num_eval_examples=32", "--config.train.epochs=1", "--config.train.log_every_steps=5",
-         "--config.schedule.warmup_epochs=0", "--config.schedule.decay_epochs=(1,)"],
-        cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=600)
+         "--config.schedule.warmup_epochs=0", "--config.schedule.decay_epochs=(1,)"]
+        for variant, _ in GPU_VARIANTS]
+    results = run_batch(commands, preload=["tfscale.training.train"], cwd=REPO, env=quiet_env(),
+                        timeout_s=600 * len(commands))
+    return {variant: (result, workdirs[variant]) for (variant, _), result in zip(GPU_VARIANTS, results)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, precision", GPU_VARIANTS)
+def test_a_gpu_variant_trains_an_application_through_the_cli(variant, precision, gpu_variant_runs):
+    """The GPU recipes' precision + XLA on a keras.applications model (on CPU here, slowly)."""
+    import math
+
+    result, workdir = gpu_variant_runs[variant]
     assert result.returncode == 0, result.stderr[-3000:]
-    recorded = json.load(open(tmp_path / "config.json"))
+    recorded = json.load(open(workdir / "config.json"))
     assert (recorded["precision"], recorded["jit_compile"]) == (precision, True)
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     losses = [row["loss"] for row in rows if "loss" in row]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert any("eval_top1" in row for row in rows)
@@ -261,10 +274,18 @@ def test_a_gpu_variant_trains_an_application_through_the_cli(variant, precision,
 def test_the_benchmark_measures_an_application_and_the_planner_predicts_it_from_its_gradient_bytes(tmp_path):
     model = ["--config=configs/smoke.py", "--config.model.name=keras.applications.ConvNeXtTiny",
              "--config.data.global_batch_size=4"]
-    bench = subprocess.run(
-        [sys.executable, "-m", "tfscale.benchmark", *model, f"--workdir={tmp_path}", "--config.benchmark.mode=synthetic",
-         "--config.benchmark.num_batches=3", "--config.benchmark.num_warmup_batches=1"],
-        cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=600)
+    plan_args = ["-m", "tfscale.perf.plan", *model, "--system=a100_ib_200g", "--gpus=1,16",
+                 f"--benchmark_json={tmp_path / 'benchmark.json'}"]
+    # The benchmark, then the planner on its report: one after the other, each its own process forked from one
+    # that imported both once (tests/helpers/models_cli_batch.py). Two breakdown steps, not the default 20: the
+    # breakdown's numbers are not what is tested here, and each ConvNeXtTiny step costs ~0.4 s on this CPU.
+    bench, planned, refused = run_batch(
+        [["-m", "tfscale.benchmark", *model, f"--workdir={tmp_path}", "--config.benchmark.mode=synthetic",
+          "--config.benchmark.num_batches=3", "--config.benchmark.num_warmup_batches=1",
+          "--config.benchmark.breakdown_batches=2"],
+         [*plan_args, "--per_gpu_batch=4"],
+         [*plan_args, "--per_gpu_batch=16"]],
+        preload=["tfscale.perf.benchmark", "tfscale.perf.plan"], cwd=REPO, env=quiet_env(), timeout_s=1200)
     assert bench.returncode == 0, bench.stderr[-3000:]
     assert "total images/sec:" in bench.stdout
     gradient_mb = stats.describe(build.create_from_config(load_config("smoke", *model[1:])))["gradient_bytes"] / 1e6
@@ -272,14 +293,8 @@ def test_the_benchmark_measures_an_application_and_the_planner_predicts_it_from_
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert report["model_size"]["gradient_bytes"] / 1e6 == pytest.approx(gradient_mb)
     assert report["model_size"]["flops_per_image"] > 0
-    plan_args = [sys.executable, "-m", "tfscale.perf.plan", *model, "--system=a100_ib_200g", "--gpus=1,16",
-                 f"--benchmark_json={tmp_path / 'benchmark.json'}"]
-    planned = subprocess.run([*plan_args, "--per_gpu_batch=4"], cwd=REPO, env=quiet_env(), capture_output=True,
-                             text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-3000:]
     assert f"keras.applications.ConvNeXtTiny, 4 images per GPU, {gradient_mb:.1f} MB of gradients" in planned.stdout
     # A benchmark of another batch than the plan's is refused, naming both.
-    refused = subprocess.run([*plan_args, "--per_gpu_batch=16"], cwd=REPO, env=quiet_env(), capture_output=True,
-                             text=True, timeout=300)
     assert refused.returncode == 1 and "ran keras.applications.ConvNeXtTiny at 4 images per GPU; the plan is of " \
         "keras.applications.ConvNeXtTiny at 16" in refused.stderr

@@ -2,7 +2,7 @@
 
     python tests/helpers/models_cli_batch.py JOBS.json
 
-JOBS.json: {"preload": [module, ...], "runs": [{"module": ..., "args": [...], "stdout": PATH, "stderr": PATH}, ...]}.
+JOBS.json: {"preload": [module, ...], "runs": [{"module": M, "args": [...], "stdout": PATH, "stderr": PATH}, ...]}.
 This process imports the `preload` modules once (TensorFlow's import is most of a refused command's 3 s),
 then runs each command line in a process of its own, forked from this one, exactly as `python -m` runs
 it: runpy executes MODULE as __main__ with sys.argv = [its file, *args], stdout and stderr go to the
@@ -59,13 +59,16 @@ def _become(job: dict) -> None:
     sys.exit(0)  # the module returned: a program that ends normally
 
 
-def run_batch(module: str, arg_lists: list[list[str]], *, preload: list[str], cwd: str, env: dict,
+def run_batch(commands: list[list[str]], *, preload: list[str], cwd: str, env: dict,
               timeout_s: float = 600) -> list[subprocess.CompletedProcess]:
-    """`python -m module *args` for every args of `arg_lists`, each its own forked process (see above);
-    one CompletedProcess (text stdout and stderr) per command line, in order."""
+    """Every command of `commands` (the arguments after `python`: ["-m", module, *args]), one after the
+    other, each its own process forked as above; one CompletedProcess (text stdout and stderr) per command."""
     with tempfile.TemporaryDirectory(prefix="cli-batch-") as scratch:
-        runs = [{"module": module, "args": list(args), "stdout": os.path.join(scratch, f"{i}.out"),
-                 "stderr": os.path.join(scratch, f"{i}.err")} for i, args in enumerate(arg_lists)]
+        runs = []
+        for i, command in enumerate(commands):
+            assert command[0] == "-m", command  # `python -m module ...` is what runpy.run_module repeats
+            runs.append({"module": command[1], "args": list(command[2:]), "stdout": os.path.join(scratch, f"{i}.out"),
+                         "stderr": os.path.join(scratch, f"{i}.err")})
         jobs_path = os.path.join(scratch, "jobs.json")
         with open(jobs_path, "w") as f:
             json.dump({"preload": preload, "runs": runs}, f)
@@ -74,10 +77,9 @@ def run_batch(module: str, arg_lists: list[list[str]], *, preload: list[str], cw
         codes = [json.loads(line)["returncode"] for line in server.stdout.splitlines() if line.startswith("{")]
         assert server.returncode == 0 and len(codes) == len(runs), server.stdout[-3000:] + server.stderr[-3000:]
         results = []
-        for run, code in zip(runs, codes):
+        for command, run, code in zip(commands, runs, codes):
             with open(run["stdout"]) as out, open(run["stderr"]) as err:
-                results.append(subprocess.CompletedProcess([sys.executable, "-m", module, *run["args"]], code,
-                                                           out.read(), err.read()))
+                results.append(subprocess.CompletedProcess([sys.executable, *command], code, out.read(), err.read()))
         return results
 
 
