@@ -109,7 +109,9 @@ def test_bench_fit_times_the_loop_beside_keras_fit(tmp_path):
 @pytest.mark.slow
 def test_soak_survives_a_fault_and_ends_with_the_reference_weights(tmp_path):
     """`make soak` with one fault on a short run: the resumed run must end with the uninterrupted run's weights."""
-    result = run_target("soak", f"--workdir={tmp_path}", "--epochs=2", CYCLES=1, timeout_s=900)
+    # One epoch (20 steps, a checkpoint every 10): the fault still lands between 3 and 18, and the resumed run must
+    # still end with the reference weights and every row once; the steps themselves prove nothing more.
+    result = run_target("soak", f"--workdir={tmp_path}", "--epochs=1", CYCLES=1, timeout_s=900)
     report = json.loads((tmp_path / "soak.json").read_text())
     assert report["cycles"] == 1 and report["failures"] == [], result.stdout
     assert report["final"]["weights_equal"] and report["final"]["rows_unique_and_complete"], report["final"]
