@@ -6,6 +6,7 @@ an exact point). The matrix these rows belong to is docs/reliability.md; start-u
 tests/test_startup_faults.py, staging faults in tests/test_stage.py.
 """
 
+import concurrent.futures
 import io
 import json
 import os
@@ -15,7 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -611,42 +614,86 @@ def worker_pid(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker {rank} under launcher {launcher_pid}")
 
 
+def hung_peer_command(backend, run):
+    return [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1",
+            f"--backend={backend}", f"--grace_period_s={LAUNCHER_GRACE_S}", "--", "-m", "tfscale.train", *SMOKE,
+            f"--workdir={run}", "--config.train.epochs=3", "--config.checkpoint.every_epochs=0.5",
+            f"--config.distribute.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
+
+
+def run_hung_peer_job(backend, stopped, root, both_ended):
+    """A job whose worker `stopped` gets SIGSTOP once the first checkpoint is listed, timed from the SIGSTOP to
+    the launcher's end; then, once `both_ended` (a barrier with the job beside it) is passed, the same command
+    again. Returns what the test reads."""
+    run = root / "run"
+    command = hung_peer_command(backend, run)
+    log_path = root / "hung.log"
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
+            stopped_pid = None
+            try:
+                wait_for(lambda: latest_checkpoint_step(run) >= 10, proc, "the first checkpoint")
+                stopped_pid = worker_pid(proc.pid, stopped)
+                os.kill(stopped_pid, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+                code = proc.wait(timeout=HEARTBEAT_TIMEOUT_S + LAUNCHER_GRACE_S + 120)
+                elapsed_s = time.monotonic() - stopped_at
+            finally:
+                proc.kill()
+                if stopped_pid is not None:
+                    try:
+                        os.kill(stopped_pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+    except BaseException:
+        both_ended.abort()  # the job beside it need not wait for this one
+        raise
+    job = types.SimpleNamespace(run=run, code=code, elapsed_s=elapsed_s, output=log_path.read_text(),
+                                saved=latest_checkpoint_step(run))
+    try:
+        both_ended.wait(timeout=600)
+    except threading.BrokenBarrierError:
+        pass  # the other job failed: its own test says how
+    job.rerun = subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, timeout=300)
+    return job
+
+
+@pytest.fixture(scope="module")
+def hung_peer_jobs(tmp_path_factory):
+    """The jobs of the test below, {(backend, stopped worker): future of `run_hung_peer_job`}. A backend's two
+    jobs run side by side, so that one waits out its timeout while the other one trains, not on an idle host;
+    their reruns start once both jobs have ended, so no rerun runs beside a job's timed end."""
+    try:
+        import horovod.tensorflow  # noqa: F401
+        backends = ["mwms", "horovod"]
+    except ImportError:
+        backends = ["mwms"]  # the Horovod rows skip
+    jobs = {}
+    for backend in backends:
+        both_ended = threading.Barrier(2)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # leaves once both are done
+            for stopped in (1, 0):
+                root = tmp_path_factory.mktemp(f"hung-{backend}-{stopped}")
+                jobs[backend, stopped] = pool.submit(run_hung_peer_job, backend, stopped, root, both_ended)
+    return jobs
+
+
 @pytest.mark.parametrize("backend, stopped", [("mwms", 1), ("horovod", 1), ("mwms", 0), ("horovod", 0)])
-def test_a_hung_peer_ends_the_job_in_bounded_time_with_one_line_and_the_rerun_resumes(backend, stopped, tmp_path):
+def test_a_hung_peer_ends_the_job_in_bounded_time_with_one_line_and_the_rerun_resumes(backend, stopped,
+                                                                                     hung_peer_jobs):
     """SIGSTOP of one worker mid-training (a hung node, not a dead one; worker 0 also hosts MWMS's coordination
     service and writes the checkpoints): the other ends within the heartbeat timeout plus a margin, with exit
     code 69 and one line naming the stopped worker, the timeout and the last checkpoint; the checkpoint reads
     back and the rerun resumes from it."""
     if backend == "horovod":
         pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
-    run = tmp_path / "run"
-    command = [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1",
-               f"--backend={backend}", f"--grace_period_s={LAUNCHER_GRACE_S}", "--", "-m", "tfscale.train", *SMOKE,
-               f"--workdir={run}", "--config.train.epochs=3", "--config.checkpoint.every_epochs=0.5",
-               f"--config.distribute.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
-    log_path = tmp_path / "hung.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
-        stopped_pid = None
-        try:
-            wait_for(lambda: latest_checkpoint_step(run) >= 10, proc, "the first checkpoint")
-            stopped_pid = worker_pid(proc.pid, stopped)
-            os.kill(stopped_pid, signal.SIGSTOP)
-            stopped_at = time.monotonic()
-            code = proc.wait(timeout=HEARTBEAT_TIMEOUT_S + LAUNCHER_GRACE_S + 120)
-            elapsed_s = time.monotonic() - stopped_at
-        finally:
-            proc.kill()
-            if stopped_pid is not None:
-                try:
-                    os.kill(stopped_pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    output = log_path.read_text()
+    job = hung_peer_jobs[backend, stopped].result()  # raises what failed in the job
+    run, code, elapsed_s, output, saved = job.run, job.code, job.elapsed_s, job.output, job.saved
     assert code == 69, output[-3000:]
     print(f"{backend}: the job ended {elapsed_s:.1f} s after worker {stopped} stopped (exit {code})")
     assert elapsed_s < HEARTBEAT_TIMEOUT_S + LAUNCHER_GRACE_S + HUNG_PEER_MARGIN_S, output[-3000:]
-    saved = latest_checkpoint_step(run)
     survivor = 1 - stopped
     said = [line for line in output.splitlines() if line.startswith(f"[rank {survivor}]") and "stopped answering" in line]
     assert len(said) == 1, output[-3000:]
@@ -655,8 +702,7 @@ def test_a_hung_peer_ends_the_job_in_bounded_time_with_one_line_and_the_rerun_re
     assert f"The last checkpoint is step {saved} " in said[0] and "rerun the same command to resume" in said[0]
     assert said[0].endswith("(exit code 69)") and "Traceback" not in output
     # The checkpoint it named is whole: the same command resumes from it and finishes.
-    rerun = subprocess.run(command, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=300)
+    rerun = job.rerun
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     assert f"resumed from {run / layout.CHECKPOINTS / f'ckpt-{saved}'}" in rerun.stdout
     assert summary(run)["steps"] == 60
