@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from conftest import REPO
 from test_multiworker import (DRIVER, PREEMPTED_EPOCHS, PREEMPTED_STEPS, assert_weights_close, kill_rank1_once_training,
-                              logged_steps, quiet_env, read_log, sigterm_then_resume, start_workers, weights)
+                              logged_steps, quiet_env, read_log, shared_mwms_run, sigterm_then_resume,
+                              start_two_mwms_workers, start_workers, wait_all, weights)
 
 from tfscale import config as tfs_config
 from tfscale.cluster import collectives, distribute, horovod_start
@@ -48,18 +49,11 @@ def run_logged(command, log_path, timeout_s=300):
 
 @pytest.fixture(scope="module")
 def mwms_two_workers(tmp_path_factory):
-    """Reference: the same job under MultiWorkerMirroredStrategy, workers started by hand (rank-named files)."""
-    root = tmp_path_factory.mktemp("mwms")
-    ports = launch.free_ports(2)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, DRIVER, str(root / f"w{rank}.npz"), *SHORT, f"--workdir={root / 'run'}",
-             "--config.distribute.backend=mwms"],
-            cwd=REPO, env=quiet_env(**launch.worker_env(rank, 2, ports, "mwms", 1)),
-            stdout=open(root / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT)
-        for rank in range(2)
-    ]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0], read_log(root, 0)[-3000:]
+    """Reference: the same job under MultiWorkerMirroredStrategy, workers started by hand (rank-named files);
+    one run for tests/test_horovod_mpi.py and tests/test_multiworker.py's ghost BatchNorm check too."""
+    with shared_mwms_run(tmp_path_factory, SHORT) as (root, first):
+        if first:
+            assert wait_all(start_two_mwms_workers(root, SHORT)) == [0, 0], read_log(root, 0)[-3000:]
     # Per-replica BatchNorm statistics are averaged every step, so the MWMS workers agree exactly too.
     assert_weights_close(weights(root / "w0.npz"), weights(root / "w1.npz"), rtol=0, atol=0)
     eval_rows = [r for r in map(json.loads, open(root / "run" / layout.METRICS)) if "eval_top1" in r]

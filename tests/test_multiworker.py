@@ -3,6 +3,7 @@
 Slurm host lists and rank resolution are unit-tested at the bottom without processes.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import time
 import numpy as np
 import pytest
 from conftest import REPO, quiet_env
+from helpers.mw_shared import shared_run
 
 from tfscale.cluster import distribute
 from tfscale.launch import launch
@@ -57,6 +59,21 @@ def kill_rank1_once_training(procs, workdir, log_dir):
     finally:
         for p in procs:
             p.kill()
+
+
+def shared_mwms_run(tmp_path_factory, args):
+    """(directory, first) for a run of DRIVER with `args` on two MWMS workers, made once per pytest run for
+    every test file that asks with the same arguments (tests/helpers/mw_shared.py): the first caller makes
+    it with `start_two_mwms_workers(directory, args)`, later ones read it."""
+    return shared_run(tmp_path_factory, "mwms-two-workers-" + hashlib.sha256("\n".join(args).encode()).hexdigest()[:16])
+
+
+def start_two_mwms_workers(root, args):
+    """DRIVER with `args` on two MWMS workers, started by hand: each writes its final weights to root/w0.npz,
+    root/w1.npz and its log to root/rank0.log, root/rank1.log; the chief's workdir is root/run."""
+    procs, _ = start_workers([DRIVER, str(root / "w{rank}.npz"), *args, f"--workdir={root / 'run'}",
+                              "--config.distribute.backend=mwms"], 2, str(root))
+    return procs
 
 
 def wait_all(procs, timeout_s=300):
@@ -151,19 +168,22 @@ def test_mirrored_two_cpu_devices_equals_one_device(tmp_path, one_worker_global_
 
 
 @pytest.mark.slow
-def test_ghost_batch_norm_on_one_device_equals_replicas_with_their_own_batch_norm(tmp_path, one_worker_global_batch):
+def test_ghost_batch_norm_on_one_device_equals_replicas_with_their_own_batch_norm(tmp_path, tmp_path_factory,
+                                                                                 one_worker_global_batch):
     """One device with the global batch of 32 in BatchNorm groups of 16 computes what 2 replicas of 16 with
     per-replica BatchNorm compute (moving statistics included): how a study keeps the batch each BatchNorm
     sees fixed while the global batch grows, without a replica per group."""
-    per_replica_bn = [*SHORT, "--config.model.sync_bn=False"]
-    runs = {"replicas": ["--config.distribute.backend=mirrored", "--config.distribute.num_cpu_devices=2"],
-            "ghost": ["--config.model.bn_group_size=16"]}
-    for name, overrides in runs.items():
-        result = subprocess.run(
-            [sys.executable, DRIVER, str(tmp_path / f"{name}.npz"), *per_replica_bn, *overrides,
-             f"--workdir={tmp_path / name}"], cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-    ghost, replicas = weights(tmp_path / "ghost.npz"), weights(tmp_path / "replicas.npz")
+    per_replica_bn = [arg for arg in SHORT if arg != "--config.model.sync_bn=True"]  # BatchNorm per replica: the default
+    result = subprocess.run(
+        [sys.executable, DRIVER, str(tmp_path / "ghost.npz"), *per_replica_bn, "--config.model.bn_group_size=16",
+         f"--workdir={tmp_path / 'ghost'}"], cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The replicas: 2 MWMS workers, the run tests/test_horovod.py compares Horovod with (the same arguments).
+    # MirroredStrategy's 2 CPU replicas end with these weights bit for bit (measured).
+    with shared_mwms_run(tmp_path_factory, per_replica_bn) as (root, first):
+        if first:
+            assert wait_all(start_two_mwms_workers(root, per_replica_bn)) == [0, 0], read_log(root, 0)[-3000:]
+    ghost, replicas = weights(tmp_path / "ghost.npz"), weights(root / "w0.npz")
     assert_weights_close(ghost, replicas, rtol=2e-3, atol=2e-4)
     # BatchNorm over all 32 (the one-worker reference, sync BN) is another computation: the check can fail.
     with pytest.raises(AssertionError):
