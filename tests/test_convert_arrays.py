@@ -163,7 +163,8 @@ def _seeded(root):
 
 def _train_examples(root):
     source = make_idx_dir(root / "idx")
-    return source, [convert_command("idx", root / "idx", root / "out", "--validation_examples=50", "--train_examples=100"),
+    return source, [convert_command("idx", root / "idx", root / "out", "--validation_examples=50",
+                                    "--train_examples=100"),
                     convert_command("idx", root / "idx", root / "out2", "--validation_examples=50",
                                     "--train_examples=251")]
 

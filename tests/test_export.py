@@ -11,7 +11,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import REPO, load_config, run_cli
+from conftest import REPO, load_config
+from helpers.models_cli_batch import run_batch
 from PIL import Image
 
 from tfscale import export
@@ -137,14 +138,22 @@ def train_digits(workdir: str, counts: dict, *data_flags: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def digits_export(tmp_path_factory):
-    """Image folders -> shards -> 2-worker MWMS training -> `python -m tfscale.export` -> fresh-process serving."""
+def digits_export(digit_shards, tmp_path_factory):
+    """Image folders -> shards -> 2-worker MWMS training -> `python -m tfscale.export` -> fresh-process serving.
+
+    The folders and shards are the session's (conftest's digit_shards: write_digit_jpegs and convert_both_splits
+    below, into images/ and shards/ of one folder). The export runs beside `tfscale.export` of a missing workdir
+    (test_cli_reports_a_missing_workdir_in_one_line): two processes forked from one that imported tfscale.export
+    once (tests/helpers/models_cli_batch.py)."""
+    shards_dir, counts = digit_shards
+    images_dir = os.path.join(os.path.dirname(shards_dir), "images")
+    assert sorted(os.listdir(images_dir)) == ["train", "validation"]
     root = tmp_path_factory.mktemp("digits")
-    images_dir, shards_dir, workdir = str(root / "images"), str(root / "shards"), str(root / "train")
-    counts = write_digit_jpegs(images_dir)
-    convert_both_splits(images_dir, shards_dir)
+    workdir, missing_workdir = str(root / "train"), str(root / "missing")
     exit_after_summary_s = train_digits(workdir, counts, f"--config.data.data_dir={shards_dir}")
-    exported = run_cli("tfscale.export", f"--workdir={workdir}")
+    exported, missing = run_batch([["-m", "tfscale.export", f"--workdir={workdir}"],
+                                   ["-m", "tfscale.export", f"--workdir={missing_workdir}"]],
+                                  preload=["tfscale.export"], cwd=REPO, env=quiet_env())
     assert exported.returncode == 0, exported.stderr[-3000:]
     script = root / "serve.py"
     script.write_text(SERVE_SCRIPT)
@@ -159,7 +168,7 @@ def digits_export(tmp_path_factory):
         info = json.load(f)
     return {"images_dir": images_dir, "shards_dir": shards_dir, "workdir": workdir, "counts": counts,
             "summary": summary, "info": info, "served": json.loads(served.stdout.strip().splitlines()[-1]),
-            "exit_after_summary_s": exit_after_summary_s}
+            "exit_after_summary_s": exit_after_summary_s, "missing_workdir": (missing_workdir, missing)}
 
 
 @pytest.mark.slow
@@ -345,8 +354,8 @@ def test_only_an_earlier_export_is_ever_replaced(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_reports_a_missing_workdir_in_one_line(tmp_path):
-    result = run_cli("tfscale.export", f"--workdir={tmp_path / 'missing'}")
+def test_cli_reports_a_missing_workdir_in_one_line(digits_export):
+    missing_workdir, result = digits_export["missing_workdir"]  # `python -m tfscale.export --workdir=<missing>`
     assert result.returncode == 1
-    assert f"workdir {tmp_path / 'missing'} does not exist" in result.stderr
+    assert f"workdir {missing_workdir} does not exist" in result.stderr
     assert "Traceback" not in result.stderr

@@ -1,29 +1,32 @@
 """The user's path with a model of their own: a builder file outside the package (examples/my_model.py,
-copied away), real digit scans converted to shards, 2 MWMS workers through tfscale.launch + tfscale.train,
-tfscale.export, and serving in a fresh process that never imports tfscale."""
+copied away), real digit scans converted to shards (the session's: conftest.digit_shards), 2 MWMS workers
+through tfscale.launch + tfscale.train, tfscale.export, and serving in a fresh process that never imports tfscale."""
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO, run_cli
-from test_export import SERVE_SCRIPT, convert_both_splits, quiet_env, write_digit_jpegs
+from test_export import SERVE_SCRIPT, quiet_env
 
 from tfscale.workdir import layout
 
 
 @pytest.fixture(scope="module")
-def own_model_export(tmp_path_factory):
+def own_model_export(digit_shards, tmp_path_factory):
     root = tmp_path_factory.mktemp("own")
     builder = root / "user_code" / "my_model.py"
     builder.parent.mkdir()
     shutil.copy(os.path.join(REPO, "examples", "my_model.py"), builder)
-    images_dir, shards_dir, workdir = root / "images", root / "shards", root / "train"
-    counts = write_digit_jpegs(str(images_dir))
-    convert_both_splits(str(images_dir), str(shards_dir))
+    # The session's digit scans (conftest's digit_shards: test_export's write_digit_jpegs and
+    # convert_both_splits, into images/ and shards/ of one folder).
+    shards_dir, counts = digit_shards
+    images_dir, workdir = pathlib.Path(shards_dir).parent / "images", root / "train"
+    assert sorted(os.listdir(images_dir)) == ["train", "validation"]
     launch = subprocess.run(
         [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--", "-m", "tfscale.train",
          "--config=configs/digits.py", f"--workdir={workdir}", f"--config.data.data_dir={shards_dir}",

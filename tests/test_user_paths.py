@@ -12,14 +12,17 @@ import subprocess
 import sys
 import tarfile
 
+import keras
 import pytest
 import tensorflow as tf
-from conftest import REPO, load_config, run_cli
+from conftest import REPO, load_config
+from helpers.models_cli_batch import run_batch
 
 from tfscale import config as tfs_config
 from tfscale.config import validation
 from tfscale.data.convert import convert
 from tfscale.data.input import info, pipeline, shard_dir
+from tfscale.training import engine
 from tfscale.workdir import layout
 
 NUM_CLASSES = 10
@@ -84,15 +87,14 @@ def test_readme_step_2_trains_on_a_converted_photo_tree(photo_shards, tmp_path):
             recorded["data"]["num_eval_examples"]) == (10, 20, 10)
 
 
-def test_a_count_the_user_states_is_kept_and_checked(photo_shards, tmp_path):
+def test_a_count_the_user_states_is_kept_and_checked(photo_shards, cli_runs):
     """--config.data.num_classes=1000 is the user's statement, not a default: the manifest refutes it, and the
     run stops in one line before building anything. A recipe's own non-ImageNet count is checked the same way."""
-    result = run_cli("tfscale.train", "--config=r50_1gpu", f"--workdir={tmp_path}", *FEW_STEPS,
-                     f"--config.data.data_dir={photo_shards}", "--config.data.num_classes=1000")
+    result, workdir = cli_runs["stated_count"]
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"FATAL config error: config.data.num_classes=1000 but {photo_shards}/manifest-train.json says 10")
-    assert not os.path.exists(tmp_path / layout.CHECKPOINTS)
+    assert not os.path.exists(workdir / layout.CHECKPOINTS)
 
     recipe = load_config("smoke", "--config.data.dataset=tfrecord", f"--config.data.data_dir={photo_shards}")
     info.adopt(recipe.data, info.facts(recipe.data))  # smoke.py says 640 training examples: not a default
@@ -143,14 +145,35 @@ def imagenet_tfds(tmp_path_factory):
             "info_file": os.path.join(builder.data_dir, "dataset_info.json")}
 
 
-def test_tfds_imagenet_trains_through_the_cli_and_exports_its_class_names(imagenet_tfds, tmp_path):
+@pytest.fixture(scope="module")
+def cli_runs(photo_shards, imagenet_tfds, tmp_path_factory):
+    """{name: (CompletedProcess, workdir)} of this module's `python -m tfscale.train` / `tfscale.export` command
+    lines, one after the other, each its own process forked from one that imported them once
+    (tests/helpers/models_cli_batch.py): a count the user states (refused), then TFDS imagenet2012 trained and
+    exported."""
+    root = tmp_path_factory.mktemp("cli")
+    refused_workdir, tfds_workdir = root / "stated_count", root / "tfds" / "run"
+    refused_workdir.mkdir()  # an existing, empty workdir: the refusal must leave it so
+    commands = {
+        "stated_count": ["-m", "tfscale.train", "--config=r50_1gpu", f"--workdir={refused_workdir}", *FEW_STEPS,
+                         f"--config.data.data_dir={photo_shards}", "--config.data.num_classes=1000"],
+        "tfds_train": ["-m", "tfscale.train", "--config=r50_1gpu", f"--workdir={tfds_workdir}", *FEW_STEPS,
+                       "--config.data.dataset=tfds", "--config.data.tfds_name=imagenet2012",
+                       f"--config.data.data_dir={imagenet_tfds['data_dir']}",
+                       "--config.model.name=cifar_resnet8", "--config.data.image_size=32"],  # a cheap model
+        "tfds_export": ["-m", "tfscale.export", f"--workdir={tfds_workdir}"],
+    }
+    results = run_batch(list(commands.values()), preload=["tfscale.training.train", "tfscale.export"], cwd=REPO,
+                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout_s=900)
+    workdirs = {"stated_count": refused_workdir, "tfds_train": tfds_workdir, "tfds_export": tfds_workdir}
+    return {name: (result, workdirs[name]) for name, result in zip(commands, results)}
+
+
+def test_tfds_imagenet_trains_through_the_cli_and_exports_its_class_names(imagenet_tfds, cli_runs):
     """dataset=tfds as docs/data.md runs it: the example counts come from TFDS's info (logged), and the export
     names its outputs with the dataset's 1000 synsets, in labels.txt and in the served top-5."""
-    workdir = str(tmp_path / "run")
-    result = run_cli("tfscale.train", "--config=r50_1gpu", f"--workdir={workdir}", *FEW_STEPS,
-                     "--config.data.dataset=tfds", "--config.data.tfds_name=imagenet2012",
-                     f"--config.data.data_dir={imagenet_tfds['data_dir']}",
-                     "--config.model.name=cifar_resnet8", "--config.data.image_size=32")  # a cheap model
+    result, workdir = cli_runs["tfds_train"]
+    workdir = str(workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     adopted = log_lines(result.stderr, "info")
     assert any(line.startswith(f"config.data.num_train_examples=20 from {imagenet_tfds['info_file']} ")
@@ -160,7 +183,7 @@ def test_tfds_imagenet_trains_through_the_cli_and_exports_its_class_names(imagen
     with open(os.path.join(workdir, layout.METRICS)) as f:
         assert [json.loads(line)["eval_examples"] for line in f if "eval_top1" in line] == [10]
 
-    exported = run_cli("tfscale.export", f"--workdir={workdir}")
+    exported, _ = cli_runs["tfds_export"]
     assert exported.returncode == 0, exported.stderr[-3000:]
     export_dir = os.path.join(workdir, "export")
     with open(os.path.join(export_dir, "export.json")) as f:
@@ -198,9 +221,11 @@ def test_the_finetune_recipe_starts_an_application_from_its_keras_weights_file(p
     """configs/finetune_app.py on the converted photo tree, from an EfficientNetV2B0 weights file in the Keras 2
     .h5 form Keras distributes ImageNet weights in (written here from a fresh model: nothing is downloaded)."""
     weights = tmp_path / "efficientnetv2-b0_notop.h5"
-    make_weights = ("import keras, sys; keras.applications.EfficientNetV2B0(include_top=False, weights=None, "
-                    "input_shape=(64, 64, 3), include_preprocessing=False).save(sys.argv[1])")
-    subprocess.run([sys.executable, "-c", make_weights, str(weights)], check=True, capture_output=True, timeout=300)
+    # Written in this process (Keras is imported here already): a process of its own would import TensorFlow
+    # for it. Under float32, whatever a test before this one left as Keras' global policy.
+    with engine.precision_policy("float32"):
+        keras.applications.EfficientNetV2B0(include_top=False, weights=None, input_shape=(64, 64, 3),
+                                            include_preprocessing=False).save(str(weights))
     result = subprocess.run(
         train_command() + ["--config=finetune_app", "--workdir=runs/ft", f"--config.data.data_dir={photo_shards}",
                            f"--config.model.init_from={weights}", "--config.data.image_size=64",
