@@ -179,6 +179,23 @@ def test_doctor_runs_first_when_asked(tmp_path, shards):
     assert code == 2 and not (tmp_path / "x.sbatch").exists()
 
 
+def test_writing_a_script_does_not_import_tensorflow(tmp_path):
+    """make_sbatch runs before every job (and the Slurm tests call it for each one): it validates the config
+    and the doctor's check names without TensorFlow's ~3 s import."""
+    script = (
+        "import runpy, sys\n"
+        f"sys.argv = ['make_sbatch.py', '--config=configs/smoke.py', '--nodes=1', '--gpus_per_node=0', "
+        f"'--tasks_per_node=2', '--backend=mwms', '--doctor=gpus,all-reduce', '--output={tmp_path / 'job.sbatch'}']\n"
+        f"try:\n    runpy.run_path({os.path.join(REPO, 'tools', 'make_sbatch.py')!r}, run_name='__main__')\n"
+        "except SystemExit as end:\n    assert end.code == 0, end.code\n"
+        "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'tensorflow', 'keras'})\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "job.sbatch").exists()
+
+
 def test_cpu_only_tasks_drop_gpu_lines(tmp_path):
     text = generate(tmp_path, "--config=" + os.path.join(REPO, "configs", "smoke.py"), "--nodes=1",
                     "--gpus_per_node=0", "--tasks_per_node=2", "--backend=mwms")

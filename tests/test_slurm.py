@@ -13,10 +13,12 @@ staging TFRecord shards to a node-local directory before a TFRecord recipe train
 Without Slurm, or without root to install and run it, every test here is skipped with the reason.
 """
 
+import dataclasses
 import glob
 import hashlib
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -35,7 +37,12 @@ from tfscale.workdir import layout
 TESTBED = os.path.join(REPO, "tools", "slurm_testbed.sh")
 MAKE_SBATCH = os.path.join(REPO, "tools", "make_sbatch.py")
 JOB_TIMEOUT_S = 240  # one short job on 2 busy cores takes ~30-60 s; the requeued one ~2x that
+# Waits for a job look at the job-completion log's size every EVENT_POLL_S (a stat) and read the job's
+# runs (sacct) as soon as it grows, i.e. when a run of some job ended, else every POLL_INTERVAL_S; a
+# training's metrics file is read every EVENT_POLL_S; squeue (an RPC to slurmctld) every QUEUE_POLL_S.
 POLL_INTERVAL_S = 0.5
+EVENT_POLL_S = 0.05
+QUEUE_POLL_S = 0.1
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE"}
 # Short smoke runs: 20 steps of global batch 32 on 2 tasks x 1 CPU.
@@ -81,6 +88,19 @@ class Slurm:
         out = self.run("sacct", "-c", "-j", str(job_id), "-n", "-P", "-o", "state,exitcode")
         return [tuple(line.split("|")) for line in out.splitlines() if line.strip()]
 
+    def completions(self) -> int:
+        """The size of the job-completion log that `sacct -c` reads: it grows whenever a run of a job ends."""
+        try:
+            return os.stat(os.path.join(self.root, "log", "jobcomp.txt")).st_size
+        except FileNotFoundError:
+            return 0
+
+    def sleep_until_completion(self, seen: int, timeout_s: float = POLL_INTERVAL_S) -> None:
+        """Returns once the job-completion log is no longer `seen` bytes long, or after `timeout_s`."""
+        deadline = time.time() + timeout_s
+        while self.completions() == seen and time.time() < deadline:
+            time.sleep(EVENT_POLL_S)
+
     def wait(self, job_id: int, timeout_s: float = JOB_TIMEOUT_S) -> list[tuple[str, str]]:
         """Waits until the job (and any requeued rerun) has ended; returns all its runs.
 
@@ -89,10 +109,11 @@ class Slurm:
         """
         deadline = time.time() + timeout_s
         while time.time() < deadline:
+            seen = self.completions()  # before sacct reads the log: a run ending meanwhile is not missed
             runs = self.runs(job_id)
             if runs and runs[-1][0] in TERMINAL_STATES:
                 return runs
-            time.sleep(POLL_INTERVAL_S)
+            self.sleep_until_completion(seen)
         self.run("scancel", str(job_id))
         raise AssertionError(f"job {job_id} still not finished after {timeout_s:.0f} s (cancelled); runs: {runs}")
 
@@ -440,20 +461,98 @@ def test_horovod_gloo_job_two_ranks(slurm, tmp_path):
     assert "horovodrun --gloo -np 2 -H " in text  # the host list built from scontrol show hostnames
 
 
-def wait_for_step(slurm, tmp_path, job_id: int, step: int, timeout_s: float = JOB_TIMEOUT_S) -> None:
-    deadline = time.time() + timeout_s
-    while not any(s >= step for s in logged_steps(tmp_path)):
-        runs = slurm.runs(job_id)
-        assert not runs, f"job ended before step {step}: {runs}\n{job_log(tmp_path, job_id)[-3000:]}"
-        assert time.time() < deadline, f"no step {step} after {timeout_s} s\n{job_log(tmp_path, job_id)[-3000:]}"
-        time.sleep(POLL_INTERVAL_S)
+# ------------------------------------------------------------------------------------- preemption
+
+PREEMPT_AT_STEP = 20  # SIGTERM once a run has logged this step, after its first checkpoint (every epoch)
+# 100 steps: long enough to be interrupted mid-run (the SIGTERM reaches the tasks ~0.1-0.2 s after step 20
+# is logged, a few steps later; 80 steps take >= 2 s even on an idle machine).
+PREEMPTED_EPOCHS, PREEMPTED_STEPS = 5, 100
+# The preemption tests' jobs: launcher -> (the test that reads the job, make_sbatch's backend and launcher).
+PREEMPTED_JOBS = {
+    "mwms": ("test_sigterm_before_time_limit_requeues_and_resumes", ("mwms",)),
+    "horovodrun": ("test_horovodrun_sigterm_requeues_and_resumes",
+                   ("horovod", "--launcher=horovodrun-gloo", "--gloo_iface=lo")),
+    "srun-pmix": ("test_horovod_srun_pmix_sigterm_requeues_and_resumes", ("horovod",)),  # the default launcher
+}
 
 
-def assert_preempted_then_resumed(slurm, tmp_path, job_id: int, total_steps: int) -> int:
-    """SIGTERM to the batch shell only (what `#SBATCH --signal=B:TERM@T` does before the time limit);
-    checks the requeue and the resume; returns the step the first run stopped at."""
-    wait_for_step(slurm, tmp_path, job_id, 20)
-    slurm.run("scancel", "--batch", "--signal=TERM", str(job_id))
+@dataclasses.dataclass
+class Preempted:
+    """A preemption test's job: its directory (script, run/, job log), its id, and what stopped the wait for
+    PREEMPT_AT_STEP other than the step itself."""
+    path: pathlib.Path
+    job_id: int
+    runs_before_step: list = dataclasses.field(default_factory=list)  # its runs, when it ended before the step
+    started: float | None = None  # when its job log appeared
+    timed_out: bool = False
+
+
+def skipped(check) -> bool:
+    try:
+        check()
+    except pytest.skip.Exception:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def preempted(slurm, tmp_path_factory, request) -> dict[str, Preempted]:
+    """launcher -> the job of each preemption test selected in this session (and not skipped), submitted
+    together; each job's batch shell gets SIGTERM once its first run logged PREEMPT_AT_STEP.
+
+    The node runs one of them at a time, so each runs as it would alone; but while one waits out its
+    requeue delay (AuthInfo cred_expire + 1 s) another one runs instead of the node idling."""
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
+    skip_checks = {"horovodrun": lambda: pytest.importorskip("horovod.tensorflow"),
+                   "srun-pmix": lambda: horovod_with_mpi_or_skip(slurm)}
+    jobs = {}
+    for launcher, (test, options) in PREEMPTED_JOBS.items():
+        if test not in selected or skipped(skip_checks.get(launcher, lambda: None)):
+            continue
+        path = tmp_path_factory.mktemp(f"preempted-{launcher}")
+        script = make_script(path, *options, f"--config.train.epochs={PREEMPTED_EPOCHS}",
+                             "--config.train.log_every_steps=5")
+        jobs[launcher] = Preempted(path, slurm.submit(script))
+    preempt_at_step(slurm, list(jobs.values()), PREEMPT_AT_STEP)
+    return jobs
+
+
+def preempt_at_step(slurm, jobs: list[Preempted], step: int, timeout_s: float = JOB_TIMEOUT_S) -> None:
+    """SIGTERM to the batch shell only (what `#SBATCH --signal=B:TERM@T` does before the time limit) of each
+    job once its run has logged `step`; a job that ended before, or logged no such step `timeout_s` after it
+    started (or after all the jobs' turns), is noted instead."""
+    queue_deadline = time.time() + timeout_s * len(jobs)
+    waiting = list(jobs)
+    checked = None  # the job-completion log's size when the jobs' runs were last read
+    while waiting:
+        for job in list(waiting):
+            if any(s >= step for s in logged_steps(job.path)):
+                slurm.run("scancel", "--batch", "--signal=TERM", str(job.job_id))
+                # Its rerun queues behind the other jobs' first runs (Slurm's FIFO priority would put it first):
+                # one of those runs while it waits out its requeue delay.
+                slurm.run("scontrol", "update", f"JobId={job.job_id}", "Nice=1000")
+                waiting.remove(job)
+            elif job.started is None and (job.path / f"job-{job.job_id}.out").exists():
+                job.started = time.time()
+            elif time.time() > (queue_deadline if job.started is None else job.started + timeout_s):
+                job.timed_out = True
+                waiting.remove(job)
+        if waiting and slurm.completions() != checked:  # first, and whenever a run of some job has ended since
+            checked = slurm.completions()
+            for job in list(waiting):
+                job.runs_before_step = slurm.runs(job.job_id)
+                if job.runs_before_step:
+                    waiting.remove(job)
+        time.sleep(EVENT_POLL_S)
+
+
+def assert_preempted_then_resumed(slurm, job: Preempted, total_steps: int) -> int:
+    """Checks the requeue after the SIGTERM and the resume; returns the step the first run stopped at."""
+    tmp_path, job_id = job.path, job.job_id
+    step = PREEMPT_AT_STEP
+    assert not job.runs_before_step, f"job ended before step {step}: {job.runs_before_step}\n" \
+        f"{job_log(tmp_path, job_id)[-3000:]}"
+    assert not job.timed_out, f"no step {step} after {JOB_TIMEOUT_S} s\n{job_log(tmp_path, job_id)[-3000:]}"
     runs = slurm.wait(job_id)
     text = job_log(tmp_path, job_id)
     # The first run ends requeued (logged as PENDING); the rerun completes.
@@ -472,23 +571,18 @@ def assert_preempted_then_resumed(slurm, tmp_path, job_id: int, total_steps: int
 
 
 @pytest.mark.slow
-def test_sigterm_before_time_limit_requeues_and_resumes(slurm, tmp_path):
-    # 200 steps: long enough to be interrupted mid-run.
-    script = make_script(tmp_path, "mwms", "--config.train.epochs=10", "--config.train.log_every_steps=5")
-    job_id = slurm.submit(script)
-    assert_preempted_then_resumed(slurm, tmp_path, job_id, total_steps=200)
-    text = job_log(tmp_path, job_id)
+def test_sigterm_before_time_limit_requeues_and_resumes(slurm, preempted):
+    job = preempted["mwms"]
+    assert_preempted_then_resumed(slurm, job, total_steps=PREEMPTED_STEPS)
+    text = job_log(job.path, job.job_id)
     assert "training step exited with 75" in text  # srun passed on the tasks' "checkpoint saved" code
 
 
 @pytest.mark.slow
-def test_horovodrun_sigterm_requeues_and_resumes(slurm, tmp_path):
+def test_horovodrun_sigterm_requeues_and_resumes(slurm, preempted):
     """horovodrun reports 1, not the ranks' 75, after passing SIGTERM on: the script requeues anyway."""
     pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
-    script = make_script(tmp_path, "horovod", "--launcher=horovodrun-gloo", "--gloo_iface=lo",
-                         "--config.train.epochs=10", "--config.train.log_every_steps=5")
-    job_id = slurm.submit(script)
-    assert_preempted_then_resumed(slurm, tmp_path, job_id, total_steps=200)
+    assert_preempted_then_resumed(slurm, preempted["horovodrun"], total_steps=PREEMPTED_STEPS)
 
 
 def horovod_with_mpi_or_skip(slurm) -> None:
@@ -515,14 +609,13 @@ def test_horovod_srun_pmix_job_two_ranks(slurm, tmp_path):
 
 
 @pytest.mark.slow
-def test_horovod_srun_pmix_sigterm_requeues_and_resumes(slurm, tmp_path):
+def test_horovod_srun_pmix_sigterm_requeues_and_resumes(slurm, preempted):
     """The batch shell's SIGTERM reaches every rank (scancel --signal=TERM): both save one step and exit 75,
     srun passes 75 on, the job requeues itself and the rerun resumes."""
     horovod_with_mpi_or_skip(slurm)
-    script = make_script(tmp_path, "horovod", "--config.train.epochs=10", "--config.train.log_every_steps=5")
-    job_id = slurm.submit(script)
-    stopped_at = assert_preempted_then_resumed(slurm, tmp_path, job_id, total_steps=200)
-    text = job_log(tmp_path, job_id)
+    job = preempted["srun-pmix"]
+    stopped_at = assert_preempted_then_resumed(slurm, job, total_steps=PREEMPTED_STEPS)
+    text = job_log(job.path, job.job_id)
     assert "training step exited with 75" in text
     assert text.count(f"checkpoint saved at step {stopped_at};") == 2, text[-5000:]  # both ranks, the same step
 
@@ -568,7 +661,7 @@ def wait_for_array(slurm, job_id: int, tasks: int, log_glob: str) -> list[str]:
         if time.time() > deadline:
             slurm.run("scancel", str(job_id))
             raise AssertionError(f"array {job_id} not finished after {JOB_TIMEOUT_S} s (cancelled)")
-        time.sleep(POLL_INTERVAL_S)
+        time.sleep(QUEUE_POLL_S)
     logs_ = [open(path).read() for path in sorted(glob.glob(log_glob))]
     assert len(logs_) == tasks, f"{len(logs_)} task logs, expected {tasks}"
     return logs_

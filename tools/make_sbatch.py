@@ -375,11 +375,11 @@ def study_cells(args: argparse.Namespace) -> tuple[int, list[tuple[str, list[str
 
 def check_doctor(doctor: str) -> None:
     """--doctor is '', 'all' or names of tfscale-doctor's checks."""
-    from tfscale.perf import doctor as tfs_doctor
+    from tfscale.perf.doctor_checks import CHECK_NAMES as check_names  # not doctor itself: it imports TensorFlow
 
-    unknown = [name for name in doctor.split(",") if name and name != "all" and name not in tfs_doctor.CHECK_NAMES]
+    unknown = [name for name in doctor.split(",") if name and name != "all" and name not in check_names]
     if unknown or ("all" in doctor.split(",") and doctor != "all"):
-        raise UsageError(f"--doctor={doctor!r}: use 'all' or checks among {', '.join(tfs_doctor.CHECK_NAMES)}")
+        raise UsageError(f"--doctor={doctor!r}: use 'all' or checks among {', '.join(check_names)}")
 
 
 def make_script(argv: list[str]) -> tuple[str, str]:

@@ -110,8 +110,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# cred_expire=10: a requeued job may start 10 s after its first run ended (default: 121 s).
-AuthInfo=socket=$dir/munge/munge.socket,cred_expire=10
+# cred_expire=5 (Slurm's minimum): a requeued job may start 6 s after its first run ended (default: 121 s).
+# A step's credential must still reach its slurmd within those 5 s, milliseconds on one host.
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=5
 StateSaveLocation=$dir/state
 # %n: the node name, so that the two slurmd of this host keep apart.
 SlurmdSpoolDir=$dir/spool/%n
@@ -141,8 +142,10 @@ MailProg=/bin/true
 MpiDefault=none
 ReturnToService=2
 SchedulerType=sched/backfill
-# Short scheduling and kill delays keep the tests quick.
-SchedulerParameters=sched_interval=2
+# Short scheduling and kill delays keep the tests quick: every pending job is tried each second
+# (slurmctld's timer), and a submitted or requeued batch job or a freed node is acted on at the next
+# tick instead of after batch_sched_delay (default: 3 s).
+SchedulerParameters=sched_interval=1,batch_sched_delay=0
 KillWait=30
 $(node_lines "$host" "$slurmd_port")
 EOF
@@ -228,16 +231,24 @@ start() {
   echo "export SLURM_CONF=$SLURM_CONF"
 }
 
-stop_pid_file() {
-  local pid_file=$1 pid deadline
-  [ -f "$pid_file" ] || return 0
-  pid=$(cat "$pid_file")
-  kill -TERM "$pid" 2> /dev/null || return 0
-  deadline=$((SECONDS + STOP_TIMEOUT_S))
-  while kill -0 "$pid" 2> /dev/null && [ "$SECONDS" -lt "$deadline" ]; do
-    sleep 0.2
+# TERM to every pid-file's process at once (each daemon takes ~2 s to shut down, ~8 s one after the
+# other), then KILL whatever is still running STOP_TIMEOUT_S later.
+stop_pid_files() {
+  local pid_file pid pids=() deadline
+  for pid_file in "$@"; do
+    [ -f "$pid_file" ] || continue
+    pid=$(cat "$pid_file")
+    if kill -TERM "$pid" 2> /dev/null; then
+      pids+=("$pid")
+    fi
   done
-  kill -KILL "$pid" 2> /dev/null || true
+  deadline=$((SECONDS + STOP_TIMEOUT_S))
+  for pid in ${pids[@]+"${pids[@]}"}; do
+    while kill -0 "$pid" 2> /dev/null && [ "$SECONDS" -lt "$deadline" ]; do
+      sleep 0.1
+    done
+    kill -KILL "$pid" 2> /dev/null || true
+  done
 }
 
 cancel_jobs() {
@@ -257,12 +268,7 @@ stop() {
     export SLURM_CONF=$dir/slurm.conf
     cancel_jobs
   fi
-  local pid_file
-  for pid_file in "$dir"/slurmd-*.pid; do
-    stop_pid_file "$pid_file"
-  done
-  stop_pid_file "$dir/slurmctld.pid"
-  stop_pid_file "$dir/munge/munged.pid"
+  stop_pid_files "$dir"/slurmd-*.pid "$dir/slurmctld.pid" "$dir/munge/munged.pid"
   rm -rf "$dir"
 }
 

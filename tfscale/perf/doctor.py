@@ -51,11 +51,9 @@ from tfscale import config as tfs_config
 from tfscale import io
 from tfscale.cluster import devices, distribute, driver
 from tfscale.perf import allreduce_bench, collective_probe, gpu_probe
+from tfscale.perf.doctor_checks import CHECK_NAMES, SLOW_CHECKS
 
 PASS, FAIL, NA = "pass", "fail", "n/a"
-CHECK_NAMES = ("gpus", "driver", "memory-growth", "all-reduce", "horovod", "xla-step", "float16-step", "dali",
-               "gpu-bandwidth", "throughput")  # in the order they run
-SLOW_CHECKS = ("xla-step", "float16-step", "throughput")  # each compiles ResNet-50; --fast skips them
 
 # One-GPU ResNet-50 training throughput as published (docs/gpu.md "What to expect" gives the sources):
 # (name in the GPU's device name, precision, per-GPU batch, images/sec, source).
