@@ -72,6 +72,9 @@ def run_batch(commands: list[list[str]], *, preload: list[str], cwd: str, env: d
         jobs_path = os.path.join(scratch, "jobs.json")
         with open(jobs_path, "w") as f:
             json.dump({"preload": preload, "runs": runs}, f)
+        # numpy's OpenBLAS starts a thread per further core when it loads, which would make the fork unsafe;
+        # with one, it starts none. The commands' TensorFlow ops do not run on OpenBLAS.
+        env = {**env, "OPENBLAS_NUM_THREADS": "1"}
         server = subprocess.run([sys.executable, os.path.abspath(__file__), jobs_path], cwd=cwd, env=env,
                                 capture_output=True, text=True, timeout=timeout_s)
         codes = [json.loads(line)["returncode"] for line in server.stdout.splitlines() if line.startswith("{")]
