@@ -171,19 +171,10 @@ def digits_export(digit_shards, tmp_path_factory):
             "exit_after_summary_s": exit_after_summary_s, "missing_workdir": (missing_workdir, missing)}
 
 
+# First of the module's readers, and alone: the digits run (made for the first reader) and the synthetic
+# run it is compared with must each have the machine to themselves, or their exit times compare the load.
 @pytest.mark.slow
-def test_shards_hold_the_original_jpeg_bytes(digits_export):
-    """The premise of predicting from the original files: the converter stored them unchanged."""
-    validation_dir = os.path.join(digits_export["images_dir"], "validation")
-    stored = stored_images(digits_export["shards_dir"], "validation")
-    assert len(stored) == digits_export["counts"]["validation"] == 359
-    for class_name in DIGIT_CLASSES:
-        for name in os.listdir(os.path.join(validation_dir, class_name)):
-            with open(os.path.join(validation_dir, class_name, name), "rb") as f:
-                assert stored[name] == f.read(), name
-
-
-@pytest.mark.slow
+@pytest.mark.alone
 def test_the_run_ends_at_once_after_its_last_step(digits_export, tmp_path):
     """From the last step to the job's exit only the final eval and checkpoint take time: ending the
     input and writing the summary cost a few % of the run (an input whose teardown waited for tf.data's
@@ -202,6 +193,19 @@ def test_the_run_ends_at_once_after_its_last_step(digits_export, tmp_path):
                                                                           synthetic_exit_s)
 
 
+@pytest.mark.slow
+def test_shards_hold_the_original_jpeg_bytes(digits_export):
+    """The premise of predicting from the original files: the converter stored them unchanged."""
+    validation_dir = os.path.join(digits_export["images_dir"], "validation")
+    stored = stored_images(digits_export["shards_dir"], "validation")
+    assert len(stored) == digits_export["counts"]["validation"] == 359
+    for class_name in DIGIT_CLASSES:
+        for name in os.listdir(os.path.join(validation_dir, class_name)):
+            with open(os.path.join(validation_dir, class_name, name), "rb") as f:
+                assert stored[name] == f.read(), name
+
+
+@pytest.mark.slow
 def test_served_savedmodel_reproduces_the_runs_eval_top1_exactly(digits_export):
     served, summary = digits_export["served"], digits_export["summary"]
     assert summary["num_workers"] == 2
