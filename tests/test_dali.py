@@ -69,6 +69,7 @@ def train_labels(data_cfg, rank, workers, num_batches):
 # --- index files ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_converter_writes_the_index_dalis_own_tool_writes(photo_shards, tmp_path):
     shard = os.path.join(photo_shards["one"], "validation-00000-of-00001")
     ours = os.path.join(photo_shards["one"], "dali-index", "validation-00000-of-00001.idx")

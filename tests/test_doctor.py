@@ -110,6 +110,7 @@ def test_the_bandwidth_measurement_runs_on_two_cpu_devices():
     assert 0 < float(result.stdout.strip().splitlines()[-1]) < 10
 
 
+@pytest.mark.slow
 def test_fast_mode_skips_the_resnet_compiles():
     result = run_doctor("--fast")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
@@ -118,6 +119,7 @@ def test_fast_mode_skips_the_resnet_compiles():
     assert rows["all-reduce"][0] == "PASS"
 
 
+@pytest.mark.slow
 def test_the_all_reduce_check_fails_naming_a_port_another_process_holds():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

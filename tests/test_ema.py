@@ -132,6 +132,7 @@ def test_swapped_in_restores_raw_weights_even_on_error():
 # --- in the training loop ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ema_equals_numpy_recomputation_over_the_weight_trajectory(runs):
     _, _, recorder = runs["ema"]
     assert recorder.steps == list(range(1, 21))
@@ -300,6 +301,7 @@ MIRRORED_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("overrides", [(), ("--config.precision=mixed_float16", "--config.optim.name=lars")],
                          ids=["float32-sgd", "float16-lars"])
+@pytest.mark.slow
 def test_mirrored_two_devices_updates_ema_identically_on_both_replicas(tmp_path, overrides):
     result = subprocess.run(
         [sys.executable, "-c", MIRRORED_SCRIPT, str(tmp_path), *TINY, f"--config.optim.ema_decay={DECAY}",

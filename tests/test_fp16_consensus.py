@@ -230,6 +230,7 @@ def assert_finite(weights):
     assert np.all(np.isfinite(weights)), weights
 
 
+@pytest.mark.slow
 def test_mirrored_replicas_skip_together_when_one_overflows(tmp_path):
     out, log = tmp_path / "mirrored.json", tmp_path / "mirrored.log"
     finish([start_driver("mirrored", out, log)], [log])

@@ -216,6 +216,7 @@ def test_auto_all_reduce_is_nccl_on_a_worker_with_a_gpu(configured, num_gpus, ch
     assert devices.collective_implementation(configured, num_gpus) == chosen
 
 
+@pytest.mark.slow
 def test_mwms_is_built_with_nccl_and_every_collective_carries_the_hint():
     report = setup_with_gpus(1, "mwms")
     assert report["mwms_implementation"] == "NCCL"  # what MultiWorkerMirroredStrategy was constructed with

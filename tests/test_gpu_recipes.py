@@ -61,6 +61,7 @@ def test_an_unknown_variant_is_one_line_naming_the_recipe_and_the_choices(tmp_pa
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_the_amp_variant_trains_through_the_cli(tmp_path):
     # float16 + XLA run on CPU too (slowly): the user's command line, a tiny model and data.
     result = run_cli(

@@ -81,6 +81,7 @@ def finetune(source, tmp_path_factory):
     return workdir, first, second, summary
 
 
+@pytest.mark.slow
 def test_finetune_starts_from_the_source_backbone_exactly(source, finetune):
     _, source_weights = source
     begin = finetune[1].begin

@@ -271,6 +271,7 @@ def test_a_system_file_with_an_unknown_field_is_named(tmp_path):
         plan.load_system(str(path))
 
 
+@pytest.mark.slow
 def test_plan_prints_the_table_for_the_32_gpu_recipe_on_the_p100_cluster(tmp_path):
     result = run_cli("tfscale.perf.plan", "--config=r50_32gpu", "--system=p100_ib_4gpu", f"--output_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]

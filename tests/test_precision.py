@@ -28,6 +28,7 @@ def float16_policy():
     keras.config.set_dtype_policy(previous)
 
 
+@pytest.mark.slow
 def test_bfloat16_follows_float32_loss_curve(tmp_path):
     curves = {}
     for precision in ("float32", "mixed_bfloat16"):
@@ -86,6 +87,7 @@ def test_float16_training_runs_in_the_loop(tmp_path):
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_xla_compiled_step_matches_plain_step(tmp_path):
     plain = train.train_and_evaluate(load_config("smoke", "--config.train.epochs=1.0"), str(tmp_path / "plain"))
     xla = train.train_and_evaluate(

@@ -54,6 +54,7 @@ def test_naive_lr_stays_0_1_at_any_batch():
     assert cfg.optim.lr == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_a_missing_or_unknown_method_is_one_line(tmp_path):
     result = run_cli("tfscale.train", "--config=configs/seed000_r50.py:cosine", f"--workdir={tmp_path}")
     assert result.returncode == 1

@@ -213,6 +213,7 @@ def train_on(data_dir: str, workdir: str, num_train: int, num_eval: int, label_o
     )
 
 
+@pytest.mark.slow
 def test_classic_shards_train_with_label_offset_1(classic, tmp_path):
     out, num_train, num_eval = classic
     assert (num_train, num_eval) == (24, 15)
@@ -227,6 +228,7 @@ def test_classic_shards_train_with_label_offset_1(classic, tmp_path):
     assert evals and evals[-1]["eval_examples"] == num_eval  # every validation example, once
 
 
+@pytest.mark.slow
 def test_classic_shards_with_a_wrong_label_offset_fail_clearly(classic, tmp_path):
     out, num_train, num_eval = classic
     result = train_on(out, str(tmp_path / "run"), num_train, num_eval, label_offset=0)

@@ -397,6 +397,7 @@ srun --ntasks=2 {python} -m tfscale.doctor --only=all-reduce
 """
 
 
+@pytest.mark.slow
 def test_the_doctor_in_a_slurm_step_of_two_tasks_all_reduces_across_them(slurm, tmp_path):
     """What DOCTOR=all runs on N nodes (one doctor task per node), here as 2 tasks of one step on the testbed's
     one host: each task's MWMS worker takes its cluster and ports from the doctor's own Slurm step, as training

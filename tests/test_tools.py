@@ -70,6 +70,7 @@ def photos(tmp_path_factory):
     return tree, shards
 
 
+@pytest.mark.slow
 def test_bench_loop_prints_both_loop_lengths_and_their_ratio(tmp_path):
     output = tmp_path / "loop.json"
     result = run_target("bench-loop", "--steps=10", "--batch=8", "--rounds=1", f"--output={output}")
@@ -78,6 +79,7 @@ def test_bench_loop_prints_both_loop_lengths_and_their_ratio(tmp_path):
     assert figures["ratio"] > 0 and "steps_per_loop=10 =" in result.stdout
 
 
+@pytest.mark.slow
 def test_bench_convert_times_one_process_and_every_core(photos, tmp_path):
     tree, _ = photos
     output = tmp_path / "convert.json"
@@ -91,6 +93,7 @@ SHORT_BENCHMARK = ("--config.benchmark.num_batches=2", "--config.benchmark.num_w
                    "--config.benchmark.rounds=1", "--config.benchmark.display_every=1")
 
 
+@pytest.mark.slow
 def test_bench_input_compares_the_pipelines_on_the_same_photos(photos, tmp_path):
     tree, shards = photos
     run_target("bench-input", f"--workdir={tmp_path}", f"--config.data.data_dir={shards}",
@@ -99,6 +102,7 @@ def test_bench_input_compares_the_pipelines_on_the_same_photos(photos, tmp_path)
     assert report["mode"] == "input" and report["config"]["data"]["data_dir"] == str(shards)
 
 
+@pytest.mark.slow
 def test_bench_fit_times_the_loop_beside_keras_fit(tmp_path):
     result = run_target("bench-fit", f"--workdir={tmp_path}", "--config.data.global_batch_size=16", *SHORT_BENCHMARK)
     report = json.loads((tmp_path / "benchmark.json").read_text())

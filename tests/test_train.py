@@ -69,6 +69,7 @@ def test_lr_follows_warmup_then_cosine(smoke_run):
     assert lrs[60] == pytest.approx(0.05 * (1 + np.cos(np.pi * 49 / 50)), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_exactly(smoke_run, tmp_path):
     """Stopped at step 25, then rerun: same steps, same final weights and optimizer state.
 

@@ -48,6 +48,7 @@ def loop_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_steps_per_loop_10_is_bit_identical_to_1(loop_runs):
     (one, one_summary, _), (ten, ten_summary, _) = loop_runs[1], loop_runs[10]
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "images_per_sec")} for r in rows]  # noqa: E731
@@ -75,6 +76,7 @@ def test_learning_rate_changes_every_step_inside_a_loop(loop_runs):
     assert rows[20]["lr"] == pytest.approx(0.05 * (1 + np.cos(np.pi * 9 / 50)), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_reduce_lr_on_plateau_scales_the_schedule_in_the_compiled_loop_and_a_resumed_run_keeps_it(tmp_path):
     """Keras' ReduceLROnPlateau, watching the eval loss, halves the LR at the end of epoch 1 (nothing improves
     by 100): the loop's later steps run at half of config.schedule, the step decay at step 50 included, and
@@ -222,6 +224,7 @@ def test_two_workers_accumulating_equal_one_worker_with_the_whole_batch(tmp_path
         np.testing.assert_allclose(ours, reference_weights, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_accumulating_run_resumes_exactly(tmp_path):
     """Stopped at step 25 and rerun, a run with 2 micro-batches ends where the uninterrupted one does."""
     accumulate = ("--config.optim.grad_accum_steps=2", "--config.train.steps_per_loop=5")
@@ -288,6 +291,7 @@ def _train_mirrored(out_path: str) -> None:
     np.savez(out_path, **arrays)
 
 
+@pytest.mark.slow
 def test_batch_norm_statistics_averaged_once_per_loop_equal_averaging_every_step(tmp_path):
     """The replicas' moving statistics are averaged after a loop's last step, not after every step: the
     same values to rounding (the update is linear), identical on both replicas, and the weights unchanged."""

@@ -60,6 +60,7 @@ def photo_shards(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_readme_step_2_trains_on_a_converted_photo_tree(photo_shards, tmp_path):
     """The README's command with only the run length and batch added: the manifests' counts replace the
     recipe's ImageNet ones and its step decay shrinks with the epochs, each logged; the run ends checkpointed."""
@@ -87,6 +88,7 @@ def test_readme_step_2_trains_on_a_converted_photo_tree(photo_shards, tmp_path):
             recorded["data"]["num_eval_examples"]) == (10, 20, 10)
 
 
+@pytest.mark.slow
 def test_a_count_the_user_states_is_kept_and_checked(photo_shards, cli_runs):
     """--config.data.num_classes=1000 is the user's statement, not a default: the manifest refutes it, and the
     run stops in one line before building anything. A recipe's own non-ImageNet count is checked the same way."""
@@ -169,6 +171,7 @@ def cli_runs(photo_shards, imagenet_tfds, tmp_path_factory):
     return {name: (result, workdirs[name]) for name, result in zip(commands, results)}
 
 
+@pytest.mark.slow
 def test_tfds_imagenet_trains_through_the_cli_and_exports_its_class_names(imagenet_tfds, cli_runs):
     """dataset=tfds as docs/data.md runs it: the example counts come from TFDS's info (logged), and the export
     names its outputs with the dataset's 1000 synsets, in labels.txt and in the served top-5."""
@@ -217,6 +220,7 @@ def test_tfds_split_of_fewer_files_than_workers_is_refused_by_name(imagenet_tfds
         pipeline.train_input_fn(cfg.data, seed=0, start_step=0)(two_workers)
 
 
+@pytest.mark.slow
 def test_the_finetune_recipe_starts_an_application_from_its_keras_weights_file(photo_shards, tmp_path):
     """configs/finetune_app.py on the converted photo tree, from an EfficientNetV2B0 weights file in the Keras 2
     .h5 form Keras distributes ImageNet weights in (written here from a fresh model: nothing is downloaded)."""
