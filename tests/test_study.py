@@ -14,6 +14,7 @@ from conftest import REPO, load_config, quiet_env
 from scipy import stats
 
 from tfscale.config import validation
+from tfscale.study import power
 from tfscale.study import study as tfs_study
 from tfscale.workdir import layout
 
@@ -565,7 +566,7 @@ TABLE_5_2 = {32: ("0.014", "0.007"), 64: ("0.0113", "0.0375"), 128: ("0.001", "0
 REGIME_SETTINGS = {"lr_scaling.md": {"0.05", "0.1", "0.4", "0.825", "1.6", "16.5"},
                    "assignment_households.md": {"0.1", "1e-4", "5e-4", "0.6", "2.7", "0.09", "0.55"},
                    "assignment_local_sgd.md": {"0.1", "1e-4", "5e-4"}}
-VERDICTS = ("reproduced", "not reproduced", "not comparable", "not run")
+VERDICTS = ("reproduced", "consistent with", "not reproduced", "not comparable", "not run")  # docs/studies.md
 PER_FINDING_COLUMNS = ["finding", "the thesis", "this study", "regime (the thesis / this study)", "test", "verdict"]
 
 
