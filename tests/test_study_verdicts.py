@@ -1,0 +1,132 @@
+"""The study reports' verdicts at the strength of their evidence: every power figure, detectable difference and
+further test a report states beside its verdicts, recomputed from its committed study.json (docs/studies/).
+
+Each sentence or table cell that states one of them must hold it at the printed precision, so a figure edited in a
+report, or a run changed in its JSON, fails here. The reports' own rule is in docs/studies.md ("Verdicts: as strong
+as the evidence"). Pure Python: the JSON, tfscale.study.power and scipy; no training, no TensorFlow.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from conftest import REPO
+from scipy import stats
+from test_study import LR_THESIS, TABLE_B1, TABLE_B2, TABLE_5_1, p_text  # the thesis figures, checked there
+
+from tfscale.study import power
+from tfscale.training import local_sgd
+
+POINTS = 100  # top-1 fractions to points of top-1
+
+
+def runs_of(report: str) -> dict[str, list[float]]:
+    """{cell: every run's final eval top-1} of a committed study.json."""
+    with open(os.path.join(REPO, "docs", "studies", report + ".json")) as f:
+        return {cell: [run["eval_top1"] for run in runs] for cell, runs in json.load(f)["runs"].items()}
+
+
+def report_text(report: str) -> str:
+    """The report with its line breaks and runs of spaces as single spaces: a sentence wraps anywhere."""
+    with open(os.path.join(REPO, "docs", "studies", report + ".md")) as f:
+        return " ".join(f.read().split())
+
+
+def per_finding_row(report: str, finding: str) -> str:
+    """The one row of a report's per-finding table whose finding starts with `finding`."""
+    with open(os.path.join(REPO, "docs", "studies", report + ".md")) as f:
+        section = f.read().split("\n## Per finding\n", 1)[1]
+    (row,) = [line for line in section.splitlines() if line.startswith(f"| {finding}")]
+    return row
+
+
+def assert_states(text: str, *phrases: str) -> None:
+    missing = [phrase for phrase in phrases if phrase not in text]
+    assert not missing, "the report does not state:\n" + "\n".join(missing)
+
+
+def thesis_spread(table: list[tuple[str, str]]) -> float:
+    """The spread (power.means_spread) of a thesis table's cell means, as a fraction of top-1."""
+    return power.means_spread([float(mean) for mean, _ in table]) / POINTS
+
+
+# --- tfscale.study.power on cases with known answers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alternative", power.ALTERNATIVES)
+def test_with_no_true_difference_a_tests_power_is_its_level(alternative):
+    assert power.t_test_power(0.0, 0.01, 5, alternative) == pytest.approx(power.ALPHA)
+    assert power.one_sample_t_power(0.0, 0.01, 5, alternative) == pytest.approx(power.ALPHA)
+    assert power.anova_power(0.0, 0.01, cells=4, runs_per_cell=5) == pytest.approx(power.ALPHA)
+
+
+def test_the_detectable_difference_is_where_the_power_reaches_the_target():
+    for alternative in power.ALTERNATIVES:
+        difference = power.detectable_difference(0.006, 3, alternative)
+        signed = -difference if alternative == "less" else difference
+        assert power.t_test_power(signed, 0.006, 3, alternative) == pytest.approx(power.TARGET_POWER)
+    # A one-sided test detects less than a two-sided one; more runs detect less.
+    assert power.detectable_difference(0.006, 3, "greater") < power.detectable_difference(0.006, 3)
+    assert power.detectable_difference(0.006, 5) < power.detectable_difference(0.006, 3)
+
+
+def test_an_anova_of_two_cells_has_the_two_sided_t_tests_power():
+    """F = t^2 for two cells: the noncentral F and the noncentral t give one power (two means d apart have a
+    spread of d / 2)."""
+    for difference, runs in ((0.004, 3), (0.01, 5), (0.02, 4)):
+        assert power.anova_power(difference / 2, 0.006, cells=2, runs_per_cell=runs) == pytest.approx(
+            power.t_test_power(difference, 0.006, runs), abs=1e-9)
+
+
+def test_far_beyond_the_spread_a_test_always_detects_and_scipy_gives_no_nan():
+    # scipy's nct.cdf returns nan far in its lower tail; the two-sided power must not.
+    for noncentrality in (8.5, 11.0, 40.0):
+        assert power.t_test_power(noncentrality * math.sqrt(2 / 3), 1.0, 3) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_the_pooled_sd_weighs_each_cells_variance_by_its_degrees_of_freedom():
+    cells = [[0.80, 0.82, 0.84], [0.70, 0.71, 0.72, 0.73, 0.74]]
+    expected = math.sqrt((2 * np.var(cells[0], ddof=1) + 4 * np.var(cells[1], ddof=1)) / 6)
+    assert power.pooled_sd(cells) == pytest.approx(expected)
+
+
+# --- assignment_local_sgd.md: 3 runs a cell --------------------------------------------------------------------
+
+
+def test_local_sgd_report_states_its_tests_power_and_detectable_difference():
+    runs = runs_of("assignment_local_sgd")
+    text = report_text("assignment_local_sgd")
+    sd = power.pooled_sd(list(runs.values()))  # over the 9 cells
+    half, one = (power.t_test_power(difference / POINTS, sd, 3) for difference in (0.5, 1.0))
+    detectable = power.detectable_difference(sd, 3) * POINTS
+    spread = thesis_spread(TABLE_B2)
+    anova = power.anova_power(spread, sd, cells=3, runs_per_cell=3)  # E2: the three assignments, synchronous
+    assert_states(
+        text,
+        f"The SD between seeds is {sd * POINTS:.2f} points (pooled over the 9 cells), and with 3 runs a cell a "
+        f"two-sided test at 0.05 has power {half:.2f} against a true difference of 0.5 points and {one:.2f} against "
+        f"1 point; the difference it detects with probability 0.8 is {detectable:.2f} points.",
+        f"Against cell means as far apart as Table B.2's 13 (a spread of {spread * POINTS:.2f} points, their "
+        f"root-mean-square deviation from their mean), the ANOVA over 3 cells of 3 runs has power {anova:.2f}.",
+        f"With 3 runs a cell and an SD between seeds of {sd * POINTS:.2f} points, these two-sided tests have power "
+        f"{half:.2f} against a true difference of 0.5 points and {one:.2f} against 1 point, and detect "
+        f"{detectable:.2f} points with probability 0.8",
+    )
+    assert_states(per_finding_row("assignment_local_sgd", "E2.1 and E2.2"),
+                  f"p = 0.976; power against a spread of means the size of Table B.2's: {anova:.2f}; two-sided "
+                  f"pairwise at 0.5 / 1 point: {half:.2f} / {one:.2f} (SD {sd * POINTS:.2f}, 3 runs a cell) | "
+                  "consistent with")
+    assert_states(per_finding_row("assignment_local_sgd", "E3.1: disjoint against full"),
+                  f"power at 0.5 / 1 point: {half:.2f} / {one:.2f}, 80 % power at {detectable:.2f} "
+                  f"(SD {sd * POINTS:.2f}, 3 runs a cell) | consistent with")
+
+
+def test_local_sgd_report_counts_the_theses_and_its_own_world_syncs():
+    thesis_iterations = 182 * math.ceil(45_000 / 128)  # 182 epochs of CIFAR-10's 45,000 images at batch 128
+    study_syncs = math.ceil(800 / 64)  # 12 every 64 steps, and the last step's
+    assert (round(thesis_iterations, -3), round(thesis_iterations / 64, -3), study_syncs) == (64_000, 1_000, 13)
+    assert_states(report_text("assignment_local_sgd"),
+                  "about 64k iterations at batch 128, so about 1,000 world syncs at L_W = 64; a run here is 800 "
+                  "steps, 13 world syncs at L_W = 64 and 100 at 8.")
