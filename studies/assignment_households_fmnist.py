@@ -5,7 +5,7 @@
         --validation_examples=5000 --train_examples=12800
     python -m tfscale.study studies/assignment_households_fmnist.py --workdir=runs/study_assignment_households
 
-The thesis trains ResNet-20 on CIFAR-10 with up to 16 Horovod workers. Here ResNet-8 trains on 12,800
+The thesis trains ResNet-20 on CIFAR-10 with up to 16 workers. Here ResNet-8 trains on 12,800
 Fashion-MNIST images for 8 epochs (LR / 10 at 4 and 6, a 1-epoch gradual warmup, weight decay 5e-4;
 the thesis used 1e-4 and no warmup in E1 or in its Table 5.1 runs), MWMS workers on one machine,
 evaluated on 5,000 held-out images. Every scheme assigns examples (`data.assignment_level=example`:
@@ -17,15 +17,15 @@ evaluated on 5,000 held-out images. Every scheme assigns examples (`data.assignm
         synchronous, global batch 128: each example on C workers, spread three ways (docs/data.md).
   E3.2  households: M = 8 workers in H = 4 households of 2 (the thesis: M = 16, H = 8, also 2 a household),
         gradients averaged inside a household every step, weights averaged over all 8 every L_W steps,
-        L_W = 4, 8, 16 (the thesis's 32, 64, 128 over 8,554-9,828 iterations; here 232-344),
+        L_W = 4, 8, 16 (the thesis's 32, 64, 128 over 8,554 iterations at 128, 9,828 at 32 derived; here 232-344),
         the local batch chosen for a constant effective batch 128 (its Eq. A.3, tools/local_sgd_calculator.py)
         at the unscaled LR 0.1, as in its Table 5.1. Household shards S_H = 4 (disjoint: each household
         reads its own quarter) against S_H = 1 (every household reads all the data: coarse, C = 4).
 
 Five seeds a cell, as the thesis used. The thesis found the households' overlap gain at H = 8 with L_W of
-16 or more, and at H = 4 only at L_W = 128; E3.2 here (H = 4, L_W <= 16) is where it found none, so the
-report calls that finding not comparable, not refuted. Report: docs/studies/assignment_households.md;
-raw per-run values: docs/studies/assignment_households.json.
+16 or more, and at H = 4 (4 households of 4 at M = 16) at L_W = 128; E3.2 here (4 households of 2 at
+M = 8, L_W <= 16) is outside its grid, so the report calls that finding not comparable, not refuted.
+Report: docs/studies/assignment_households.md; raw per-run values: docs/studies/assignment_households.json.
 
 `assignment_households_fmnist.py:thesis` is the thesis's own E2.2 and E3.2 (ResNet-20, CIFAR-10's 45,000
 training images, 182 epochs, M = 16, H = 8, L_W = 32 / 64 / 128, S_H = 8 / 2 / 1) as one Slurm job array

@@ -130,3 +130,106 @@ def test_local_sgd_report_counts_the_theses_and_its_own_world_syncs():
     assert_states(report_text("assignment_local_sgd"),
                   "about 64k iterations at batch 128, so about 1,000 world syncs at L_W = 64; a run here is 800 "
                   "steps, 13 world syncs at L_W = 64 and 100 at 8.")
+
+
+# --- assignment_households.md: 5 runs a cell ------------------------------------------------------------------
+
+
+WORKERS = ["m1", "m2", "m4", "m8"]  # E1
+SCHEMES = ["m8", *(f"{scheme}_c{c}" for c in (2, 4) for scheme in ("coarse", "medium_coarse", "fine_grained"))]
+HOUSEHOLDS = [f"households_sh{sh}_lw{lw}" for lw in (4, 8, 16) for sh in (4, 1)]
+# E1's and E2.2's ANOVAs, E3.2's three one-sided Welch tests, rarer world syncs' two: the report's declared tests.
+DECLARED_TESTS = 7
+
+
+def test_households_e1_states_its_correction_the_outlier_and_its_power():
+    runs = runs_of("assignment_households")
+    e1 = [runs[cell] for cell in WORKERS]
+    p = stats.f_oneway(*e1).pvalue
+    lowest = min(runs["m8"])
+    without_lowest = [*e1[:3], sorted(runs["m8"])[1:]]
+    p_without = stats.f_oneway(*without_lowest).pvalue
+    p_ranks = stats.kruskal(*e1).pvalue
+    sd = power.pooled_sd(e1)
+    spread = thesis_spread(TABLE_B1[:4])  # M = 1-8, the counts run here
+    anova = power.anova_power(spread, sd, cells=4, runs_per_cell=5)
+    bonferroni = min(1.0, DECLARED_TESTS * p)
+    assert p < 0.05 < bonferroni  # the report's claim: an effect before the correction, none after
+    assert_states(
+        report_text("assignment_households"),
+        f"a Bonferroni correction over the 7 puts its p at {p_text(bonferroni)}, no effect. The difference does "
+        f"not hang on m8's lowest seed ({lowest:.4f}): without it the ANOVA gives p = {p_text(p_without)}, and a "
+        f"Kruskal-Wallis test over all 20 runs, on their ranks, {p_text(p_ranks)}.",
+        f"Against a spread of cell means the size of the thesis's own (Table B.1's M = 1-8, {spread * POINTS:.2f} "
+        f"points, their root-mean-square deviation from their mean) the ANOVA's power is {anova:.2f} "
+        f"(SD {sd * POINTS:.2f} points pooled over the four cells, 5 runs a cell).",
+    )
+    assert_states(per_finding_row("assignment_households", "E1:"),
+                  f"p = {p_text(p)}, one of 7 declared tests, uncorrected (Bonferroni over the 7: "
+                  f"{p_text(bonferroni)}); without m8's lowest seed {p_text(p_without)}; Kruskal-Wallis over all 20 "
+                  f"runs {p_text(p_ranks)}; power against a spread the size of Table B.1's (M = 1-8): {anova:.2f} "
+                  f"(SD {sd * POINTS:.2f}, 5 runs a cell) | not reproduced, on one uncorrected test")
+
+
+def test_households_e22_states_its_power_and_is_consistent_with_not_reproduced():
+    runs = runs_of("assignment_households")
+    sd = power.pooled_sd([runs[cell] for cell in SCHEMES])
+    spread = thesis_spread(TABLE_B2)
+    anova = power.anova_power(spread, sd, cells=len(SCHEMES), runs_per_cell=5)
+    pairwise = power.t_test_power(0.5 / POINTS, sd, 5)
+    detectable = power.detectable_difference(sd, 5) * POINTS
+    assert anova < power.TARGET_POWER  # hence "consistent with"
+    assert_states(
+        report_text("assignment_households"),
+        f"With an SD between seeds of {sd * POINTS:.2f} points (pooled over the seven cells) and 5 runs a cell, the "
+        f"ANOVA's power against cell means as far apart as Table B.2's (a spread of {spread * POINTS:.2f} points) "
+        f"is {anova:.2f}, and a two-sided pairwise test's against a 0.5-point difference {pairwise:.2f} (80 % power "
+        f"at {detectable:.2f} points).",
+    )
+    assert_states(per_finding_row("assignment_households", "E2.2:"),
+                  f"p = 0.712; power against a spread of means the size of Table B.2's: {anova:.2f}; two-sided "
+                  f"pairwise at 0.5 points: {pairwise:.2f} (SD {sd * POINTS:.2f}, 5 runs a cell) | consistent with")
+
+
+def test_households_e32_and_rarer_syncs_state_their_power():
+    runs = runs_of("assignment_households")
+    sd = power.pooled_sd([runs[cell] for cell in HOUSEHOLDS])
+    gain = power.t_test_power(0.8 / POINTS, sd, 5, "greater")  # about the thesis's smallest gain from overlap
+    smallest_drop = min(float(a) - float(b) for a, b in zip(TABLE_5_1[32], TABLE_5_1[128]))
+    drop = power.t_test_power(-smallest_drop / POINTS, sd, 5, "less")
+    text = report_text("assignment_households")
+    assert_states(
+        text,
+        f"the std between seeds is {sd * POINTS:.2f} points (pooled over the six households cells), so with 5 runs "
+        f"a cell the one-sided test at 0.05 detects a true gain of 0.8 points with probability about {gain:.2f}",
+        f"At the thesis's smallest drop ({smallest_drop:.2f} points) the one-sided test's power is {drop:.2f} "
+        f"(SD {sd * POINTS:.2f} points, pooled over the six households cells, 5 runs a cell)",
+    )
+    assert_states(per_finding_row("assignment_households", "E3.2 (its E3.2.4)"),
+                  f"power at a true gain of 0.8: {gain:.2f} (SD {sd * POINTS:.2f}, 5 runs a cell)")
+    assert_states(per_finding_row("assignment_households", "Rarer world syncs"),
+                  f"power at the thesis's smallest drop: {drop:.2f} (SD {sd * POINTS:.2f}, 5 runs a cell)")
+
+
+def test_households_report_marks_the_thesiss_derived_iteration_counts():
+    """The thesis gives 8,554 iterations (L_W = 128); at L_W = 32 its Eq. A.3's local batch is 52.5, and the
+    iterations depend on how it is rounded."""
+    def plan(sync_period: int) -> dict:
+        return local_sgd.household_batch(128, num_workers=16, households=8, sync_period=sync_period,
+                                         num_train_examples=45_000, epochs=182)
+
+    exact_local_batch = 128 * 8 * 32 / (16 * (8 + 32 - 1))
+    rounded_down = 182 * math.ceil(45_000 / (16 * math.floor(exact_local_batch)))
+    assert plan(128)["iterations"] == 8_554
+    text = report_text("assignment_households")
+    assert_states(
+        text,
+        f"47 is the thesis's 8,554 steps over 182 epochs; {plan(32)['steps_per_epoch']} is derived, from its Eq. "
+        f"A.3's local batch of {exact_local_batch:.1f} at L_W = 32 rounded to {plan(32)['local_batch']}",
+        f"8,554 steps at L_W = 128 (the thesis's figure) and {plan(32)['iterations']:,} at L_W = 32 (derived here: "
+        f"its Eq. A.3 gives a local batch of {exact_local_batch:.1f}, rounded to {plan(32)['local_batch']}; "
+        f"{math.floor(exact_local_batch)} would give {rounded_down:,})",
+    )
+    assert_states(per_finding_row("assignment_households", "Rarer world syncs"),
+                  f"8,554 steps at L_W = 128 ({plan(32)['iterations']:,} at L_W = 32, derived")
+    assert "8,554-9,828" not in text
