@@ -57,11 +57,13 @@ def cell_overrides(replicas: int, warmup: str, warmup_epochs: int) -> list[str]:
 
 
 def comparisons(stepping: str, gradual: str, gradual_long: str, stepping_quarter_batch: str) -> list[dict]:
-    """The thesis's questions, by the cells' names: does a warmup help, does a longer one, does Exp 7 differ?"""
+    """The thesis's questions, by the cells' names: does a warmup help, does a longer one, does Exp 7 differ, and
+    is a gradual warmup on par with a stepping one (its Exp 8 finding)?"""
     return [*({"cell": warmup, "against": "linear", "alternative": "greater"} for warmup in (stepping, gradual,
                                                                                              gradual_long)),
             {"cell": gradual_long, "against": gradual, "alternative": "two-sided"},  # Exp 9 against Exp 8
-            {"cell": stepping_quarter_batch, "against": stepping, "alternative": "two-sided"}]  # Exp 7 against 6
+            {"cell": stepping_quarter_batch, "against": stepping, "alternative": "two-sided"},  # Exp 7 against 6
+            {"cell": gradual, "against": stepping, "alternative": "two-sided"}]  # Exp 8 against 6: "on par"
 
 
 def get_study(scale: str = ""):

@@ -642,28 +642,47 @@ def lr_scaling_findings(study: StoredStudy) -> list[tuple]:
     def against(a: str, b: str) -> set[str]:  # two of the thesis's single runs and their difference
         return {t[a], t[b], f"{float(t[a]) - float(t[b]):.2f}"}
 
+    def power_at_thesis(cell: str, other: str, a: str, b: str, alternative: str) -> set[str]:
+        """The test's power at the thesis's difference (a - b) and the cells' pooled SD, both as printed."""
+        sd = power.pooled_sd([study.runs[cell], study.runs[other]])
+        at_thesis = power.t_test_power((float(t[a]) - float(t[b])) / 100, sd, 5, alternative)
+        return {f"{at_thesis:.2f}", points(sd)}
+
     b32 = study.runs["b32"][0]
+    linear_sd = stats.tstd(study.runs["linear"])
+    b32_power = power.one_sample_t_power((float(t["linear"]) - float(t["1 GPU"])) / 100, linear_sd, 5, "less")
     assert all(math.isfinite(v) and v > 0.1 for v in study.runs["linear"])  # no run diverged: 10 classes
     return [
         ("Exp 4:", "not run", {t["naive, 1 GPU"], t["naive, 32 GPUs"]}, set()),
         ("Exp 5:", "reproduced", {t["linear"]}, study.mean_std("linear")),
         ("Exp 5 against the 1-GPU run", "reproduced", against("linear", "1 GPU"),
          {f"{b32:.4f}", points(study.mean("linear") - b32),
-          p_text(stats.ttest_1samp(study.runs["linear"], b32, alternative="less").pvalue)}),
+          p_text(stats.ttest_1samp(study.runs["linear"], b32, alternative="less").pvalue),
+          f"{b32_power:.2f}", points(linear_sd)}),
         ("Exp 6 against Exp 5", "reproduced", against("stepping 5", "linear"),
          study.mean_std("stepping1") | study.mean_std("linear")
-         | {study.difference("stepping1", "linear"), study.welch("stepping1", "linear", "greater")}),
+         | {study.difference("stepping1", "linear"), study.welch("stepping1", "linear", "greater")}
+         | power_at_thesis("stepping1", "linear", "stepping 5", "linear", "greater")
+         | {p_text(min(1.0, 7 * stats.ttest_ind(study.runs["stepping1"], study.runs["linear"], equal_var=False,
+                                                alternative="greater").pvalue))}),  # Bonferroni over the 7 tests
         ("Exp 8 against Exp 5", "not comparable", against("gradual 5", "linear"),
          study.mean_std("gradual1") | {study.difference("gradual1", "linear"),
-                                       study.welch("gradual1", "linear", "greater")}),
+                                       study.welch("gradual1", "linear", "greater")}
+         | power_at_thesis("gradual1", "linear", "gradual 5", "linear", "greater")),
         ("Exp 9 against Exp 5", "not comparable", against("gradual 10", "linear"),
          study.mean_std("gradual2") | {study.difference("gradual2", "linear"),
-                                       study.welch("gradual2", "linear", "greater")}),
+                                       study.welch("gradual2", "linear", "greater")}
+         | power_at_thesis("gradual2", "linear", "gradual 10", "linear", "greater")),
         ("Exp 9 against Exp 8", "not comparable", against("gradual 10", "gradual 5"),
-         {study.difference("gradual2", "gradual1"), study.welch("gradual2", "gradual1", "two-sided")}),
+         {study.difference("gradual2", "gradual1"), study.welch("gradual2", "gradual1", "two-sided")}
+         | power_at_thesis("gradual2", "gradual1", "gradual 10", "gradual 5", "two-sided")),
+        ("Exp 8 against Exp 6", "not comparable", against("gradual 5", "stepping 5"),
+         {study.difference("gradual1", "stepping1"), study.welch("gradual1", "stepping1", "two-sided")}
+         | power_at_thesis("gradual1", "stepping1", "gradual 5", "stepping 5", "two-sided")),
         ("Exp 7 against Exp 6", "not comparable", against("stepping 5, 32 a GPU", "stepping 5"),
          study.mean_std("stepping1_b256") | {study.difference("stepping1_b256", "stepping1"),
-                                             study.welch("stepping1_b256", "stepping1", "two-sided")}),
+                                             study.welch("stepping1_b256", "stepping1", "two-sided")}
+         | power_at_thesis("stepping1_b256", "stepping1", "stepping 5, 32 a GPU", "stepping 5", "two-sided")),
     ]
 
 
