@@ -318,6 +318,8 @@ def digits_summary(root, shards, counts, *overrides) -> dict:
 
 @pytest.mark.slow
 def test_digits_local_sgd_and_households_land_close_to_synchronous(tmp_path, digit_shards):
+    """Over the 90 s budget (docs/testing.md) on purpose: three 4-worker runs of 10 epochs on the real digit
+    scans, since fewer epochs leave local SGD and the households too far from their final top-1 to compare."""
     shards, counts = digit_shards
     reference = digits_summary(tmp_path / "sync", shards, counts)
     local = digits_summary(tmp_path / "local", shards, counts, *LOCAL, "--config.distribute.sync_period=4")

@@ -664,7 +664,8 @@ def run_hung_peer_job(backend, stopped, root, both_ended):
 def hung_peer_jobs(tmp_path_factory):
     """The jobs of the test below, {(backend, stopped worker): future of `run_hung_peer_job`}. A backend's two
     jobs run side by side, so that one waits out its timeout while the other one trains, not on an idle host;
-    their reruns start once both jobs have ended, so no rerun runs beside a job's timed end."""
+    their reruns start once both jobs have ended, so no rerun runs beside a job's timed end. Made for the first
+    test that reads it, which is so over the 90 s budget (docs/testing.md): four jobs and their four reruns."""
     try:
         import horovod.tensorflow  # noqa: F401
         backends = ["mwms", "horovod"]

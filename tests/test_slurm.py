@@ -501,8 +501,9 @@ def preempted(slurm, tmp_path_factory, request) -> dict[str, Preempted]:
     """launcher -> the job of each preemption test selected in this session (and not skipped), submitted
     together; each job's batch shell gets SIGTERM once its first run logged PREEMPT_AT_STEP.
 
-    The node runs one of them at a time, so each runs as it would alone; but while one waits out its
-    requeue delay (AuthInfo cred_expire + 1 s) another one runs instead of the node idling."""
+    Made for the first reader, which is so over the 90 s budget (docs/testing.md): it waits for all three jobs
+    to be preempted. The node runs one of them at a time, so each runs as it would alone; but while one waits
+    out its requeue delay (AuthInfo cred_expire + 1 s) another one runs instead of the node idling."""
     selected = {getattr(item, "originalname", item.name) for item in request.session.items}
     skip_checks = {"horovodrun": lambda: pytest.importorskip("horovod.tensorflow"),
                    "srun-pmix": lambda: horovod_with_mpi_or_skip(slurm)}
