@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import REPO, quiet_env
-from helpers.models_cli_batch import run_batch
+from helpers.cli_batch import run_batch
 
 from tfscale.data.convert import arrays
 from tfscale.workdir import layout
@@ -147,7 +147,7 @@ class RunsCode:
 # Each scenario writes its inputs under its own root and returns (what its test compares against, its command
 # lines). Every command runs as `python -m tfscale.data.convert ...` (or `tfscale.train`), its own process with
 # its own exit code and output, forked from one process per batch that imported the modules once
-# (tests/helpers/models_cli_batch.py): a conversion here costs ~0.3 s, TensorFlow's import ~2 s.
+# (tests/helpers/cli_batch.py): a conversion here costs ~0.3 s, TensorFlow's import ~2 s.
 
 
 def _idx_exact(root, compress):

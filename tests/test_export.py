@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import REPO, load_config
-from helpers.models_cli_batch import run_batch
+from helpers.cli_batch import run_batch
 from PIL import Image
 
 from tfscale import export
@@ -144,7 +144,7 @@ def digits_export(digit_shards, tmp_path_factory):
     The folders and shards are the session's (conftest's digit_shards: write_digit_jpegs and convert_both_splits
     below, into images/ and shards/ of one folder). The export runs beside `tfscale.export` of a missing workdir
     (test_cli_reports_a_missing_workdir_in_one_line): two processes forked from one that imported tfscale.export
-    once (tests/helpers/models_cli_batch.py)."""
+    once (tests/helpers/cli_batch.py)."""
     shards_dir, counts = digit_shards
     images_dir = os.path.join(os.path.dirname(shards_dir), "images")
     assert sorted(os.listdir(images_dir)) == ["train", "validation"]

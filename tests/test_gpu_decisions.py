@@ -35,7 +35,7 @@ def setup_with_gpus(num_gpus: int, backend: str, *overrides: str, **env: str) ->
     return report
 
 
-SCENARIOS = os.path.join(REPO, "tests", "helpers", "perf_fake_gpu_scenarios.py")
+SCENARIOS = os.path.join(REPO, "tests", "helpers", "fake_gpu_scenarios.py")
 
 
 def setups_in_one_process(*scenarios: dict) -> list[dict]:

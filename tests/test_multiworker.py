@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 from conftest import REPO, quiet_env
-from helpers.mw_shared import shared_run
+from helpers.shared_runs import shared_run
 
 from tfscale.cluster import distribute
 from tfscale.launch import launch
@@ -63,7 +63,7 @@ def kill_rank1_once_training(procs, workdir, log_dir):
 
 def shared_mwms_run(tmp_path_factory, args):
     """(directory, first) for a run of DRIVER with `args` on two MWMS workers, made once per pytest run for
-    every test file that asks with the same arguments (tests/helpers/mw_shared.py): the first caller makes
+    every test file that asks with the same arguments (tests/helpers/shared_runs.py): the first caller makes
     it with `start_two_mwms_workers(directory, args)`, later ones read it."""
     return shared_run(tmp_path_factory, "mwms-two-workers-" + hashlib.sha256("\n".join(args).encode()).hexdigest()[:16])
 

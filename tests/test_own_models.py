@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import REPO, load_config, quiet_env
-from helpers.models_cli_batch import run_batch
+from helpers.cli_batch import run_batch
 
 from tfscale.config import validation
 from tfscale.errors import ConfigError
@@ -207,7 +207,7 @@ def bad_builders(tmp_path_factory):
 def refused_runs(bad_builders, tmp_path_factory):
     """{case: (the command's CompletedProcess, its workdir)}: every REFUSALS command line as the user types it,
     `python -m tfscale.train ...`, each its own process with its own exit code and stderr; the processes
-    are forked from one that imported tfscale.train's modules once (tests/helpers/models_cli_batch.py),
+    are forked from one that imported tfscale.train's modules once (tests/helpers/cli_batch.py),
     so 13 refusals cost one TensorFlow import instead of 13."""
     root = tmp_path_factory.mktemp("refused")
     commands, workdirs = [], {}
@@ -239,7 +239,7 @@ GPU_VARIANTS = [("amp", "mixed_float16"), ("amp_bf16", "mixed_bfloat16"), ("xla"
 @pytest.fixture(scope="module")
 def gpu_variant_runs(tmp_path_factory):
     """{variant: (CompletedProcess, workdir)}: each variant's `python -m tfscale.train` run, its own process
-    forked from one that imported tfscale.train's modules once (tests/helpers/models_cli_batch.py)."""
+    forked from one that imported tfscale.train's modules once (tests/helpers/cli_batch.py)."""
     root = tmp_path_factory.mktemp("variants")
     workdirs = {variant: root / variant for variant, _ in GPU_VARIANTS}
     commands = [
@@ -277,7 +277,7 @@ def test_the_benchmark_measures_an_application_and_the_planner_predicts_it_from_
     plan_args = ["-m", "tfscale.perf.plan", *model, "--system=a100_ib_200g", "--gpus=1,16",
                  f"--benchmark_json={tmp_path / 'benchmark.json'}"]
     # The benchmark, then the planner on its report: one after the other, each its own process forked from one
-    # that imported both once (tests/helpers/models_cli_batch.py). Two breakdown steps, not the default 20: the
+    # that imported both once (tests/helpers/cli_batch.py). Two breakdown steps, not the default 20: the
     # breakdown's numbers are not what is tested here, and each ConvNeXtTiny step costs ~0.4 s on this CPU.
     bench, planned, refused = run_batch(
         [["-m", "tfscale.benchmark", *model, f"--workdir={tmp_path}", "--config.benchmark.mode=synthetic",

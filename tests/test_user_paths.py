@@ -16,7 +16,7 @@ import keras
 import pytest
 import tensorflow as tf
 from conftest import REPO, load_config
-from helpers.models_cli_batch import run_batch
+from helpers.cli_batch import run_batch
 
 from tfscale import config as tfs_config
 from tfscale.config import validation
@@ -151,7 +151,7 @@ def imagenet_tfds(tmp_path_factory):
 def cli_runs(photo_shards, imagenet_tfds, tmp_path_factory):
     """{name: (CompletedProcess, workdir)} of this module's `python -m tfscale.train` / `tfscale.export` command
     lines, one after the other, each its own process forked from one that imported them once
-    (tests/helpers/models_cli_batch.py): a count the user states (refused), then TFDS imagenet2012 trained and
+    (tests/helpers/cli_batch.py): a count the user states (refused), then TFDS imagenet2012 trained and
     exported."""
     root = tmp_path_factory.mktemp("cli")
     refused_workdir, tfds_workdir = root / "stated_count", root / "tfds" / "run"

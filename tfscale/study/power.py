@@ -16,6 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+from scipy import optimize, stats
+
 ALPHA = 0.05
 TARGET_POWER = 0.8  # the usual bar: a null result below it is "consistent with", not a reproduction
 ALTERNATIVES = ("two-sided", "greater", "less")  # as scipy.stats.ttest_ind names them
@@ -24,23 +27,17 @@ ALTERNATIVES = ("two-sided", "greater", "less")  # as scipy.stats.ttest_ind name
 def pooled_sd(samples: Sequence[Sequence[float]]) -> float:
     """The within-cell SD pooled over cells: each cell's sample variance weighted by its degrees of freedom
     (with equal cells, the root of the mean variance)."""
-    import numpy as np
-
     degrees = sum(len(sample) - 1 for sample in samples)
     return math.sqrt(sum((len(sample) - 1) * np.var(sample, ddof=1) for sample in samples) / degrees)
 
 
 def means_spread(means: Sequence[float]) -> float:
     """A set of cell means' spread as the F test measures it: their root-mean-square deviation from their mean."""
-    import numpy as np
-
     return float(np.std(means))
 
 
 def _t_power(noncentrality: float, degrees: int, alternative: str, alpha: float) -> float:
     """P(the t statistic falls beyond the test's critical value) when it is noncentral t."""
-    from scipy import stats
-
     if alternative not in ALTERNATIVES:
         raise ValueError(f"alternative={alternative!r}: expected one of {ALTERNATIVES}")
     if alternative == "two-sided":
@@ -72,8 +69,6 @@ def detectable_difference(sd: float, runs_per_cell: int, alternative: str = "two
                           alpha: float = ALPHA) -> float:
     """The smallest true difference (a magnitude, in the unit of `sd`) that the two-sample t-test of
     `t_test_power` detects with probability `power`."""
-    from scipy import optimize
-
     standard_error = sd * math.sqrt(2 / runs_per_cell)
     sign = -1.0 if alternative == "less" else 1.0
 
@@ -88,8 +83,6 @@ def anova_power(spread: float, sd: float, cells: int, runs_per_cell: int, alpha:
     """Power of a one-way ANOVA of `cells` cells x `runs_per_cell` runs when the cells' true means have spread
     `spread` (`means_spread`) and each run's SD is `sd`: the noncentral F with noncentrality
     cells * runs_per_cell * spread^2 / sd^2."""
-    from scipy import stats
-
     between, within = cells - 1, cells * (runs_per_cell - 1)
     critical = stats.f.ppf(1 - alpha, between, within)
     noncentrality = cells * runs_per_cell * spread**2 / sd**2

@@ -1,6 +1,6 @@
 """Runs `distribute.setup` for several scenarios, in order, in one process that "sees" GPUs it does not have.
 
-    python tests/helpers/perf_fake_gpu_scenarios.py '[{"num_gpus": 2, "backend": "mwms", "env": {...}}, ...]'
+    python tests/helpers/fake_gpu_scenarios.py '[{"num_gpus": 2, "backend": "mwms", "env": {...}}, ...]'
 
 Each scenario is what one run of tests/helpers/fake_gpus.py does (its FakeGpuConfig records the calls), with
 `env` set in os.environ for that scenario only. GPU and strategy set-up are process-global, so only the last

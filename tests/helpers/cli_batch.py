@@ -1,6 +1,6 @@
 """Several `python -m MODULE ARGS...` command lines for the price of one interpreter start.
 
-    python tests/helpers/models_cli_batch.py JOBS.json
+    python tests/helpers/cli_batch.py JOBS.json
 
 JOBS.json: {"preload": [module, ...], "runs": [{"module": M, "args": [...], "stdout": PATH, "stderr": PATH}, ...]}.
 This process imports the `preload` modules once (TensorFlow's import is most of a refused command's 3 s),
