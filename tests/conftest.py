@@ -17,8 +17,9 @@ from tfscale.workdir import layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every process a test starts inherits this: tests/helpers/site/sitecustomize.py keeps Keras from importing
-# scikit-learn, which only the test venv has (0.85 s of each process's start; its docstring says why).
+# Every process a test starts inherits this: tests/helpers/site/sitecustomize.py keeps Keras and TensorFlow from
+# importing three optional libraries for parts tfscale never uses (~1.3 s of CPU of each process's start; its
+# docstring says which and why).
 _SITE = os.path.join(REPO, "tests", "helpers", "site")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
 
