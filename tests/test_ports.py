@@ -26,11 +26,11 @@ LOOPBACK = {"127.0.0.1", "::1"}
 TRAIN = ["-m", "tfscale.train", "--config=configs/smoke.py", "--config.train.epochs=50"]
 
 
-def _listening_inodes() -> dict[str, tuple[str, int]]:
-    """{socket inode: (address, port)} of every listening TCP socket in this network namespace."""
+def _listening_inodes(pid: int | str = "self") -> dict[str, tuple[str, int]]:
+    """{socket inode: (address, port)} of every listening TCP socket in the network namespace of `pid`."""
     found = {}
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/net/{table}") as f:
+        with open(f"/proc/{pid}/net/{table}") as f:
             next(f)
             for line in f:
                 fields = line.split()
@@ -56,11 +56,13 @@ def _process_tree(pid: int) -> list[int]:
 
 
 def listening(root_pid: int) -> dict[int, set[tuple[str, int]]]:
-    """{pid: {(address, port)}} of the listening sockets of `root_pid` and its descendants."""
-    inodes, found = _listening_inodes(), {}
+    """{pid: {(address, port)}} of the listening sockets of `root_pid` and its descendants (each read from
+    the tables of its own network namespace: a test bed's host has its own)."""
+    found = {}
     for pid in _process_tree(root_pid):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
+            inodes = _listening_inodes(pid)
         except FileNotFoundError:
             continue
         for fd in fds:

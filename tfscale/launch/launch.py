@@ -21,6 +21,7 @@ supervision lives in `tfscale.launch.supervise`; this module builds the workers'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -35,6 +36,7 @@ from tfscale import cli
 from tfscale.cluster import devices
 from tfscale.config import HOROVOD_INSTALL_HINT
 from tfscale.errors import EXIT_CLUSTER_UNAVAILABLE, EXIT_USAGE, LaunchError
+from tfscale.launch import netbed
 from tfscale.launch.supervise import SignalRecorder, run_workers, say
 
 LOOPBACK = "127.0.0.1"
@@ -75,28 +77,51 @@ def default_threads_per_worker(num_workers: int) -> int:
     return max(1, available_cores() // num_workers)
 
 
-def _tf_config(rank: int, ports: Sequence[int]) -> str:
-    cluster = {"worker": [f"{LOOPBACK}:{port}" for port in ports]}
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the workers run: every one on this host's loopback (the default), or worker i on host i of a
+    test bed (`tfscale.launch.netbed`), at `addresses[i]`, with Gloo on `iface` and the rendezvous server
+    of a Horovod job at `rendezvous_address`, an address of this host that every worker reaches."""
+
+    addresses: tuple[str, ...] | None = None
+    iface: str = "lo"
+    rendezvous_address: str = LOOPBACK
+
+    def address(self, rank: int) -> str:
+        return self.addresses[rank] if self.addresses else LOOPBACK
+
+    def one_host(self) -> bool:
+        return not self.addresses
+
+
+LOCAL = Placement()
+
+
+def _tf_config(rank: int, ports: Sequence[int], placement: Placement = LOCAL) -> str:
+    cluster = {"worker": [f"{placement.address(i)}:{port}" for i, port in enumerate(ports)]}
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}})
 
 
-def _horovod_env(rank: int, num_workers: int, rendezvous_port: int) -> dict[str, str]:
-    """What horovodrun's gloo_run sets for one slot of a single-host job (create_run_env_vars +
-    create_slot_env_vars): all ranks on one host, so local == global and there is one cross group."""
+def _horovod_env(rank: int, num_workers: int, rendezvous_port: int, placement: Placement = LOCAL) -> dict[str, str]:
+    """What horovodrun's gloo_run sets for one slot (create_run_env_vars + create_slot_env_vars). One host:
+    local == global and there is one cross group. A bed: one rank per host, so each is local rank 0 of 1,
+    and the ranks make one cross group."""
+    local_rank, local_size, cross_rank, cross_size = (
+        (rank, num_workers, 0, 1) if placement.one_host() else (0, 1, rank, num_workers))
     return {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": LOOPBACK,
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": placement.rendezvous_address,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_GLOO_IFACE": "lo",
+        "HOROVOD_GLOO_IFACE": placement.iface,
         # Must equal the host name in the rendezvous server's plan: it names the `local_<host>` scope.
-        "HOROVOD_HOSTNAME": LOOPBACK,
+        "HOROVOD_HOSTNAME": placement.address(rank),
         "HOROVOD_RANK": str(rank),
         "HOROVOD_SIZE": str(num_workers),
-        "HOROVOD_LOCAL_RANK": str(rank),
-        "HOROVOD_LOCAL_SIZE": str(num_workers),
-        "HOROVOD_CROSS_RANK": "0",
-        "HOROVOD_CROSS_SIZE": "1",
+        "HOROVOD_LOCAL_RANK": str(local_rank),
+        "HOROVOD_LOCAL_SIZE": str(local_size),
+        "HOROVOD_CROSS_RANK": str(cross_rank),
+        "HOROVOD_CROSS_SIZE": str(cross_size),
     }
 
 
@@ -114,6 +139,7 @@ def worker_env(
     ports_or_rendezvous: Sequence[int] | int,
     backend: str,
     threads: int | None,
+    placement: Placement = LOCAL,
 ) -> dict[str, str]:
     """The variables the launcher sets for worker `rank` (on top of the inherited environment).
 
@@ -124,11 +150,11 @@ def worker_env(
         ports = list(ports_or_rendezvous) if not isinstance(ports_or_rendezvous, int) else []
         if len(ports) != num_workers:
             raise ValueError(f"backend mwms needs {num_workers} worker ports, got {ports_or_rendezvous!r}")
-        env = {"TF_CONFIG": _tf_config(rank, ports)}
+        env = {"TF_CONFIG": _tf_config(rank, ports, placement)}
     elif backend == "horovod":
         if not isinstance(ports_or_rendezvous, int):
             raise ValueError(f"backend horovod needs the rendezvous port, got {ports_or_rendezvous!r}")
-        env = _horovod_env(rank, num_workers, ports_or_rendezvous)
+        env = _horovod_env(rank, num_workers, ports_or_rendezvous, placement)
     else:
         raise ValueError(f"backend={backend!r} is not one of: {', '.join(BACKENDS)}")
     env["TFSCALE_LOCAL_RANK"] = str(rank)
@@ -160,21 +186,24 @@ class _HorovodRendezvous:
     `hvd.init()` in each worker fetches its peers from this key-value server; the plan tells the server
     how many workers join each scope (global, local_<host>, cross_<local rank>). Horovod's own
     `RendezvousServer.start` binds every interface (horovod/runner/util/network.py `find_port`: address
-    ''); the workers here are all on this host, so the server binds 127.0.0.1 and nobody else can reach it.
+    ''); it binds the placement's rendezvous address instead: 127.0.0.1 when the workers are all on this host,
+    so nobody else can reach it; a test bed's bridge address when they run on the bed's hosts.
     """
 
-    def __init__(self, num_workers: int):
+    def __init__(self, num_workers: int, placement: Placement = LOCAL):
         try:
             from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
             from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
         except ImportError as err:
             raise LaunchError(f"{HOROVOD_MISSING} ({err})") from err
         # Port 0: the kernel picks a free port and the server keeps it bound: no window for another process.
-        self._httpd = RendezvousHTTPServer((LOOPBACK, 0), RendezvousHandler, 0)
+        self._httpd = RendezvousHTTPServer((placement.rendezvous_address, 0), RendezvousHandler, 0)
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="horovod-rendezvous", daemon=True)
         self._thread.start()
-        hosts = parse_hosts(f"{LOOPBACK}:{num_workers}")
+        slots = ([f"{LOOPBACK}:{num_workers}"] if placement.one_host()
+                 else [f"{placement.address(rank)}:1" for rank in range(num_workers)])
+        hosts = parse_hosts(",".join(slots))
         self._httpd.init(get_host_assignments(hosts, num_workers))  # positional: names vary by version
 
     def stop(self) -> None:
@@ -227,35 +256,43 @@ def launch(
     threads_per_worker: int | None = None,
     grace_period_s: float = 10.0,
     env: dict | None = None,
+    netbed_prefix: str | None = None,
 ) -> int:
     """Runs `sys.executable *argv` as `num_workers` workers of one job; returns the job's exit code.
 
     `threads_per_worker=None` gives each worker an equal share of the cores. `env` is the environment
-    to inherit (default: this process's). Raises ValueError for bad arguments and LaunchError when the
-    backend cannot start (e.g. horovod not installed); otherwise the exit code is 0 if every worker
-    exited 0, else the first failing worker's code (128 + S for a worker killed by signal S).
+    to inherit (default: this process's). `netbed_prefix`: worker i runs on host i of that test bed
+    (`tfscale.launch.netbed`) instead of this host. Raises ValueError for bad arguments and LaunchError
+    when the backend cannot start (e.g. horovod not installed, no such bed); otherwise the exit code is 0 if
+    every worker exited 0, else the first failing worker's code (128 + S for a worker killed by signal S).
     """
     _check_launch_args(argv, num_workers, backend, threads_per_worker)
+    bed = _load_bed(netbed_prefix, num_workers) if netbed_prefix else None
+    placement = _bed_placement(bed, num_workers) if bed else LOCAL
     threads = threads_per_worker or default_threads_per_worker(num_workers)
     argv = with_backend(argv, backend)
     base_env = dict(os.environ if env is None else env)
     # Resolved now, not at import: callers (and pytest's capture) may have replaced the streams.
     out, err = sys.stdout, sys.stderr
 
-    rendezvous = _HorovodRendezvous(num_workers) if backend == "horovod" else None
+    rendezvous = _HorovodRendezvous(num_workers, placement) if backend == "horovod" else None
     # The recorder stays installed through the clean-up too: a SIGTERM arriving then must not kill
     # the launcher before it has killed the workers.
     with SignalRecorder() as signals:
         try:
             # Ports last, right before the workers start, to keep the window for port theft small.
             endpoint = rendezvous.port if rendezvous else free_ports(num_workers)
-            say(f"starting {num_workers} worker(s), backend {backend}, {threads} thread(s) each: "
+            where = f" on hosts {', '.join(placement.addresses)} of netbed {bed.prefix}" if bed else ""
+            say(f"starting {num_workers} worker(s){where}, backend {backend}, {threads} thread(s) each: "
                 f"{shlex.join([sys.executable, *argv])}")
             if backend == "mwms" and has_other_interfaces():
                 say(MWMS_REACHABLE)
-            envs = [_child_env(base_env, worker_env(rank, num_workers, endpoint, backend, threads), backend)
+            envs = [_child_env(base_env, worker_env(rank, num_workers, endpoint, backend, threads, placement), backend)
                     for rank in range(num_workers)]
-            code = run_workers(argv, envs, grace_period_s, signals, out, err)
+            commands = [[sys.executable, *argv] for _ in range(num_workers)]
+            if bed:
+                commands = [bed.host_command(rank, command) for rank, command in enumerate(commands)]
+            code = run_workers(commands, envs, grace_period_s, signals, out, err)
             if code == EXIT_CLUSTER_UNAVAILABLE:
                 say(f"exit code {code} (EX_UNAVAILABLE): a worker was not there. Either the cluster did not come up "
                     "(the workers' 'tfscale pre-flight:' lines above name the workers, ports or host names at fault) "
@@ -264,6 +301,22 @@ def launch(
         finally:
             if rendezvous:
                 rendezvous.stop()
+
+
+def _load_bed(prefix: str, num_workers: int) -> netbed.Bed:
+    try:
+        bed = netbed.load(prefix)
+    except netbed.NetbedError as err:
+        raise LaunchError(str(err)) from None
+    if num_workers > len(bed.hosts):
+        raise ValueError(f"--num_workers={num_workers} but netbed {prefix!r} has {len(bed.hosts)} hosts: one worker "
+                         "per host")
+    return bed
+
+
+def _bed_placement(bed: netbed.Bed, num_workers: int) -> Placement:
+    return Placement(addresses=tuple(host.address for host in bed.hosts[:num_workers]), iface=netbed.HOST_IFACE,
+                     rendezvous_address=bed.bridge_address)
 
 
 def _check_launch_args(argv: list[str], num_workers: int, backend: str, threads_per_worker: int | None) -> None:
@@ -283,7 +336,7 @@ def _check_launch_args(argv: list[str], num_workers: int, backend: str, threads_
 
 
 USAGE = ("python -m tfscale.launch --num_workers=N [--backend=mwms|horovod] [--threads_per_worker=K] "
-         "[--grace_period_s=10] -- <python args...>")
+         "[--grace_period_s=10] [--netbed=PREFIX] -- <python args...>")
 
 
 def _define_flags(values: flags.FlagValues) -> None:
@@ -294,6 +347,8 @@ def _define_flags(values: flags.FlagValues) -> None:
                          "num_workers, >= 1)", flag_values=values)
     flags.DEFINE_float("grace_period_s", 10.0, "seconds workers get to exit after SIGTERM before SIGKILL",
                        flag_values=values)
+    flags.DEFINE_string("netbed", None, "run worker i on host i of the test bed with this prefix (tools/netbed.py "
+                        "up), one worker per host, instead of all on this host", flag_values=values)
 
 
 def _parse(argv: Sequence[str]) -> tuple[flags.FlagValues, list[str]]:
@@ -328,6 +383,7 @@ def main(argv: Sequence[str]) -> int:
             backend=args.backend,
             threads_per_worker=args.threads_per_worker,
             grace_period_s=args.grace_period_s,
+            netbed_prefix=args.netbed,
         )
     except LaunchError as err:
         say(f"error: {err}")

@@ -107,9 +107,9 @@ def _running(procs: Sequence[subprocess.Popen]) -> list[subprocess.Popen]:
     return [proc for proc in procs if proc.poll() is None]
 
 
-def _spawn(rank: int, argv: Sequence[str], env: dict[str, str], log_fd: int | None) -> subprocess.Popen:
+def _spawn(command: Sequence[str], env: dict[str, str], log_fd: int | None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, *argv],
+        list(command),
         env=env,
         stdin=subprocess.DEVNULL,  # N workers must not compete for the terminal
         stdout=subprocess.PIPE,
@@ -148,14 +148,14 @@ class SignalRecorder:
 
 
 def run_workers(
-    argv: Sequence[str],
+    commands: Sequence[Sequence[str]],
     envs: Sequence[dict[str, str]],
     grace_period_s: float,
     signals: SignalRecorder,
     out: IO[str],
     err: IO[str],
 ) -> int:
-    """Runs `sys.executable *argv` once per environment in `envs` (worker `rank` gets `envs[rank]`),
+    """Runs worker `rank`'s command `commands[rank]` with the environment `envs[rank]`,
     its output copied to `out`/`err` with a `[rank r] ` prefix; returns the job's exit code.
 
     The job stops on a signal `signals` records or the first failure (`_supervise`); however it ends,
@@ -166,8 +166,8 @@ def run_workers(
     log_fd = launcher_death.launcher_log_fd()
     about_launcher = launcher_death.worker_env(grace_period_s, log_fd)
     try:
-        for rank, env in enumerate(envs):
-            procs.append(_spawn(rank, argv, {**env, **about_launcher}, log_fd))
+        for rank, (command, env) in enumerate(zip(commands, envs, strict=True)):
+            procs.append(_spawn(command, {**env, **about_launcher}, log_fd))
             pumps.extend(_start_pumps(procs[-1], rank, out, err))
         return _supervise(procs, grace_period_s, signals)
     finally:
