@@ -1,8 +1,12 @@
-"""tfscale under a REAL Slurm (Debian's slurmctld/slurmd/munge, a private single-host cluster started by
+"""tfscale under a REAL Slurm (Debian's slurmctld/slurmd/munge, a private cluster of two nodes started by
 tools/slurm_testbed.sh): scripts from tools/make_sbatch.py submitted with sbatch, 2 CPU tasks per job.
 
+The two nodes are two hosts of a test bed (tfscale.launch.netbed: network namespaces, each with its own
+address and host name, where root can make them; else both on this host's loopback): each node's slurmd, and
+so every task it starts, runs in its host, and a job on both nodes talks across addresses as on a cluster.
+
 Covered: MWMS (TF_CONFIG derived from Slurm's environment by tfscale), MWMS steps that use part of a
-two-node allocation (two at once, one per node: the testbed emulates a second node on this host),
+two-node allocation (two at once, one per node),
 Horovod over Gloo launched by horovodrun inside the job, Horovod over MPI launched by `srun --mpi=pmix`
 (Debian's OpenMPI 4.1 + PMIx 4.2; also across the two-node partition), a study as a job array (one task per run),
 preemption (SIGTERM to the batch shell as `--signal=B:TERM@T` delivers it ->
@@ -32,6 +36,7 @@ from conftest import REPO
 from PIL import Image
 
 from tfscale.cluster import distribute
+from tfscale.launch import netbed
 from tfscale.workdir import layout
 
 TESTBED = os.path.join(REPO, "tools", "slurm_testbed.sh")
@@ -67,13 +72,15 @@ def slurm_unavailable_reason() -> str | None:
 
 
 class Slurm:
-    """A running testbed: its environment (SLURM_CONF) and the sbatch/sacct/scancel calls the tests need."""
+    """A running testbed: its environment (SLURM_CONF), its nodes, and the sbatch/sacct/scancel calls the tests need."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, bed: netbed.Bed | None):
         self.root = root
+        self.bed = bed
         self.env = {**os.environ, "SLURM_CONF": os.path.join(root, "slurm.conf"), "TF_CPP_MIN_LOG_LEVEL": "2",
                     "PYTHONUNBUFFERED": "1"}
         self.env.pop("TF_CONFIG", None)  # jobs must take their cluster from Slurm
+        self.node = self.run("sinfo", "-h", "-p", "debug", "-N", "-o", "%N").split()[0]  # the default partition's
 
     def run(self, *command, timeout_s=30) -> str:
         result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout_s)
@@ -125,12 +132,21 @@ def slurm():
         pytest.skip(reason)
     # Not pytest's tmp_path: munged (user munge) must traverse to its socket, and pytest's dirs are 0700.
     root = tempfile.mkdtemp(prefix="tfscale-slurm-", dir="/tmp")
+    bed = netbed.up(f"tfsl{os.getpid() % 10000}", num_hosts=2) if bed_possible() else None
+    env = {**os.environ, **({"SLURM_TESTBED_NETBED": bed.prefix} if bed else {})}
     try:
-        started = subprocess.run([TESTBED, "start", root], capture_output=True, text=True, timeout=120)
+        started = subprocess.run([TESTBED, "start", root], env=env, capture_output=True, text=True, timeout=120)
         assert started.returncode == 0, f"testbed did not start: {started.stderr}\n{logs(root)}"
-        yield Slurm(root)
+        yield Slurm(root, bed)
     finally:
         subprocess.run([TESTBED, "stop", root], capture_output=True, text=True, timeout=120)
+        if bed:
+            netbed.down(bed.prefix)
+
+
+def bed_possible() -> bool:
+    """Root (checked before) and the tools the bed and the testbed's slurmd need."""
+    return all(shutil.which(tool) for tool in ("ip", "tc", "unshare", "nsenter"))
 
 
 def logs(root: str) -> str:
@@ -292,7 +308,7 @@ def test_mwms_job_two_tasks(slurm, tmp_path):
     assert "SLURM_RESTART_COUNT=0" in text and "nothing to stage" in text
     # The cluster came from Slurm's variables (the training srun is the job's step 1, after the doctor's step 0;
     # distribute.port_base=0).
-    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    host = slurm.node
     port = default_port_base(job_id, step_id=1)
     assert f"tfscale cluster from Slurm job {job_id} step 1: workers {host}:{port},{host}:{port + 1}\n" in text
     assert "rank=0/2" in text and "rank=1/2" in text and "backend=mwms" in text
@@ -428,7 +444,8 @@ def test_mwms_steps_using_part_of_a_two_node_allocation(slurm, tmp_path):
                  if (tmp_path / f"step-{run}.out").exists()}
     assert runs == [("COMPLETED", "0:0")], f"runs {runs}\n{text[-2000:]}\n" + "\n".join(
         f"--- step {run}\n{log[-3000:]}" for run, log in step_logs.items())
-    assert f"job: SLURM_NTASKS=4 SLURM_JOB_NODELIST={','.join(nodes)}" in text
+    node_list = slurm.run("scontrol", "show", "hostlist", ",".join(nodes)).strip()  # a,b or a compact h[0-1]
+    assert f"job: SLURM_NTASKS=4 SLURM_JOB_NODELIST={node_list}" in text
     steps = {}  # run -> (step id, node, start time)
     for run, log in step_logs.items():
         found = set(re.findall(r"step (\d+): 2 tasks on (\S+), started ([\d.]+)", log))

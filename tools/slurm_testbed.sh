@@ -17,6 +17,14 @@
 # slurmd (`slurmd -N NAME`: own port, spool, pid and log file). A host named localhost gets no
 # second node and no `pair` partition.
 #
+# Across hosts: with SLURM_TESTBED_NETBED=PREFIX, the nodes are hosts 0 and 1 of that test bed
+# (tools/netbed.py up --prefix=PREFIX --hosts=2; tfscale/launch/netbed.py), named after them: each slurmd
+# runs in its host's network namespace under the host's name, at the host's address, and slurmctld on this
+# host at the bed's bridge address. `debug` holds host 0, `pair` both. Jobs, srun steps and their tasks
+# then talk across addresses, as on a cluster. Each node also has a local disk of its own: DIR/local is a
+# tmpfs private to that node's slurmd and its tasks (the directory itself stays empty on this host), so
+# what a job stages there on one node the other node does not see.
+#
 # Environment: SLURM_TESTBED_CTLD_PORT / SLURM_TESTBED_SLURMD_PORT fix the daemon ports (the second
 # slurmd takes the next port; default: a random free triple in 40000-49999; tfscale's Slurm jobs
 # derive MWMS ports in 20000-39999).
@@ -73,9 +81,27 @@ start_munged() {
     --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/munged.seed"
 }
 
-# The testbed's node names: the host, then the emulated second node (unless the host has its name).
+NETBED=${SLURM_TESTBED_NETBED:-}
+NETBED_STATE_DIR=/run/tfscale-netbed
+
+# A field of the test bed's state file: `netbed_field bridge_address`, `netbed_field hosts N namespace`.
+netbed_field() {
+  python3 -c 'import json, sys
+value = json.load(open(sys.argv[1]))
+for key in sys.argv[2:]:
+    value = value[int(key) if isinstance(value, list) else key]
+print(value)' "$NETBED_STATE_DIR/$NETBED.json" "$@"
+}
+
+# The testbed's node names: the host, then the emulated second node (unless the host has its name);
+# on a test bed, its hosts 0 and 1.
 node_names() {
   local host=$1
+  if [ -n "$NETBED" ]; then
+    netbed_field hosts 0 namespace
+    netbed_field hosts 1 namespace
+    return
+  fi
   echo "$host"
   if [ "$host" != "$SECOND_NODE" ]; then
     echo "$SECOND_NODE"
@@ -84,27 +110,55 @@ node_names() {
 
 # NodeName and PartitionName lines: node i gets slurmd port slurmd_port+i.
 node_lines() {
-  local host=$1 slurmd_port=$2 name i=0
+  local host=$1 slurmd_port=$2 name address=127.0.0.1 i=0 names=()
   for name in $(node_names "$host"); do
-    echo "NodeName=$name NodeAddr=127.0.0.1 Port=$((slurmd_port + i)) CPUs=$(nproc) State=UNKNOWN"
+    if [ -n "$NETBED" ]; then
+      address=$(netbed_field hosts "$i" address)
+    fi
+    echo "NodeName=$name NodeAddr=$address Port=$((slurmd_port + i)) CPUs=$(nproc) State=UNKNOWN"
+    names+=("$name")
     i=$((i + 1))
   done
-  echo "PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP"
+  echo "PartitionName=debug Nodes=${names[0]} Default=YES MaxTime=INFINITE State=UP"
   if [ "$i" = 2 ]; then
-    echo "PartitionName=$PAIR_PARTITION Nodes=$host,$SECOND_NODE MaxTime=INFINITE State=UP"
+    echo "PartitionName=$PAIR_PARTITION Nodes=${names[0]},${names[1]} MaxTime=INFINITE State=UP"
+  fi
+}
+
+# Where slurmd and the jobs reach slurmctld: loopback, or the bed's bridge address.
+ctld_address() {
+  if [ -n "$NETBED" ]; then
+    netbed_field bridge_address
+  else
+    echo 127.0.0.1
+  fi
+}
+
+# slurmd for node NAME: here, or in its bed host's network namespace under its name, with the bed's
+# /etc/hosts and its own local disk at DIR/local (it forks into the background there, and its tasks stay
+# there). Not `ip netns exec`, which mounts a fresh /sys without the cgroup hierarchy that slurmd reads.
+start_slurmd() {
+  local dir=$1 name=$2
+  if [ -n "$NETBED" ]; then
+    # shellcheck disable=SC2016  # expanded by the inner sh, from its arguments
+    nsenter --net="/run/netns/$name" unshare --uts --mount sh -c \
+      'mount --bind "/etc/netns/$0/hosts" /etc/hosts && mount -t tmpfs -o size=512m "local-$0" "$2/local" \
+       && hostname "$0" && exec slurmd -f "$1" -N "$0"' "$name" "$SLURM_CONF" "$dir"
+  else
+    slurmd -f "$SLURM_CONF" -N "$name"
   fi
 }
 
 write_slurm_conf() {
   local dir=$1 host=$2 ctld_port=$3 slurmd_port=$4 name
-  mkdir -p "$dir/state" "$dir/log"
+  mkdir -p "$dir/state" "$dir/log" "$dir/local"
   for name in $(node_names "$host"); do
     mkdir -p "$dir/spool/$name" "$dir/tmp/$name"
   done
   cat > "$dir/slurm.conf" << EOF
 # Private single-host Slurm written by tools/slurm_testbed.sh; see that script.
 ClusterName=tfscale-testbed
-SlurmctldHost=$host(127.0.0.1)
+SlurmctldHost=$host($(ctld_address))
 SlurmctldPort=$ctld_port
 SlurmUser=root
 SlurmdUser=root
@@ -210,6 +264,9 @@ pick_ports() {
 start() {
   local dir=$1 host
   have_slurm || die "Slurm is not installed: run \`$0 install\` (or \`make slurm\`) as root"
+  if [ -n "$NETBED" ] && [ ! -f "$NETBED_STATE_DIR/$NETBED.json" ]; then
+    die "no test bed $NETBED ($NETBED_STATE_DIR/$NETBED.json): python tools/netbed.py up --prefix=$NETBED --hosts=2"
+  fi
   [ "$(id -u)" = 0 ] || die "starting private Slurm daemons needs root (SlurmUser=root, munged as user munge)"
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
@@ -225,7 +282,7 @@ start() {
   slurmctld -c -f "$SLURM_CONF"
   local name
   for name in $(node_names "$host"); do
-    slurmd -f "$SLURM_CONF" -N "$name"
+    start_slurmd "$dir" "$name"
   done
   wait_for_idle_nodes "$dir" "$host"
   echo "export SLURM_CONF=$SLURM_CONF"
