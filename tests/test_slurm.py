@@ -2,8 +2,8 @@
 tools/slurm_testbed.sh): scripts from tools/make_sbatch.py submitted with sbatch, 2 CPU tasks per job.
 
 The two nodes are two hosts of a test bed (tfscale.launch.netbed: network namespaces, each with its own
-address and host name, where root can make them; else both on this host's loopback): each node's slurmd, and
-so every task it starts, runs in its host, and a job on both nodes talks across addresses as on a cluster.
+address, host name and local disk): each node's slurmd, and so every task it starts, runs in its host, and a
+job on both nodes talks across addresses as on a cluster.
 
 Covered: MWMS (TF_CONFIG derived from Slurm's environment by tfscale), MWMS steps that use part of a
 two-node allocation (two at once, one per node),
@@ -74,7 +74,7 @@ def slurm_unavailable_reason() -> str | None:
 class Slurm:
     """A running testbed: its environment (SLURM_CONF), its nodes, and the sbatch/sacct/scancel calls the tests need."""
 
-    def __init__(self, root: str, bed: netbed.Bed | None):
+    def __init__(self, root: str, bed: netbed.Bed):
         self.root = root
         self.bed = bed
         self.env = {**os.environ, "SLURM_CONF": os.path.join(root, "slurm.conf"), "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -132,21 +132,19 @@ def slurm():
         pytest.skip(reason)
     # Not pytest's tmp_path: munged (user munge) must traverse to its socket, and pytest's dirs are 0700.
     root = tempfile.mkdtemp(prefix="tfscale-slurm-", dir="/tmp")
-    bed = netbed.up(f"tfsl{os.getpid() % 10000}", num_hosts=2) if bed_possible() else None
-    env = {**os.environ, **({"SLURM_TESTBED_NETBED": bed.prefix} if bed else {})}
+    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if not shutil.which(tool)]
+    if missing:
+        pytest.skip(f"the Slurm testbed's nodes are hosts of a netbed, which needs {', '.join(missing)} "
+                    "(iproute2, util-linux)")
+    bed = netbed.up(f"tfsl{os.getpid() % 10000}", num_hosts=2)
+    env = {**os.environ, "SLURM_TESTBED_NETBED": bed.prefix}
     try:
         started = subprocess.run([TESTBED, "start", root], env=env, capture_output=True, text=True, timeout=120)
         assert started.returncode == 0, f"testbed did not start: {started.stderr}\n{logs(root)}"
         yield Slurm(root, bed)
     finally:
         subprocess.run([TESTBED, "stop", root], capture_output=True, text=True, timeout=120)
-        if bed:
-            netbed.down(bed.prefix)
-
-
-def bed_possible() -> bool:
-    """Root (checked before) and the tools the bed and the testbed's slurmd need."""
-    return all(shutil.which(tool) for tool in ("ip", "tc", "unshare", "nsenter"))
+        netbed.down(bed.prefix)
 
 
 def logs(root: str) -> str:
@@ -161,12 +159,19 @@ def logs(root: str) -> str:
 # --------------------------------------------------------------------------------------------- jobs
 
 
-def make_script(tmp_path, backend: str, *extra: str, config: str = "configs/smoke.py") -> str:
-    """tools/make_sbatch.py for 1 node x 2 CPU tasks, workdir tmp_path/run, job log tmp_path/job-<id>.out."""
+# Where a job's 2 tasks run: both on the default partition's node, or one on each node of `pair`, with both of
+# its node's CPUs (the two nodes are one machine's 2 cores: a task each on CPU 0 would share it).
+ONE_NODE = ("--nodes=1", "--tasks_per_node=2", "--cpus_per_task=1")
+TWO_NODES = ("--nodes=2", "--tasks_per_node=1", "--cpus_per_task=2", "--partition=pair")
+
+
+def make_script(tmp_path, backend: str, *extra: str, config: str = "configs/smoke.py", nodes=ONE_NODE) -> str:
+    """tools/make_sbatch.py for 2 CPU tasks (`nodes`: ONE_NODE or TWO_NODES), workdir tmp_path/run, job log
+    tmp_path/job-<id>.out."""
     script = tmp_path / "job.sbatch"
     result = subprocess.run(
-        [sys.executable, MAKE_SBATCH, f"--config={config}", "--nodes=1", "--gpus_per_node=0",
-         "--tasks_per_node=2", "--cpus_per_task=1", f"--backend={backend}", "--time=00:10:00",
+        [sys.executable, MAKE_SBATCH, f"--config={config}", *nodes, "--gpus_per_node=0", f"--backend={backend}",
+         "--time=00:10:00",
          f"--workdir={tmp_path / 'run'}", f"--output={script}", f"--job_output={tmp_path}/job-%j.out", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
@@ -194,6 +199,13 @@ def logged_steps(tmp_path) -> list[int]:
     if not path.exists():
         return []
     return [row["step"] for row in map(json.loads, path.read_text().splitlines()) if "loss" in row]
+
+
+def assert_ranks_on_both_nodes(slurm, text: str) -> None:
+    """Rank 0 on the first node of `pair`, rank 1 on the second, each under its own host name."""
+    first, second = pair_partition_or_skip(slurm)
+    assert re.search(rf"tfscale worker rank=0/2 .*host={first} ", text), text[-4000:]
+    assert re.search(rf"tfscale worker rank=1/2 .*host={second} ", text), text[-4000:]
 
 
 def assert_completed_once(slurm, tmp_path, job_id: int) -> str:
@@ -486,11 +498,12 @@ PREEMPT_AT_STEP = 20  # SIGTERM once a run has logged this step, after its first
 # is logged, a few steps later; 80 steps take >= 2 s even on an idle machine).
 PREEMPTED_EPOCHS, PREEMPTED_STEPS = 5, 100
 # The preemption tests' jobs: launcher -> (the test that reads the job, make_sbatch's backend and launcher).
+# MWMS and Horovod over srun --mpi=pmix across the two nodes; horovodrun with Gloo on `lo` on one.
 PREEMPTED_JOBS = {
-    "mwms": ("test_sigterm_before_time_limit_requeues_and_resumes", ("mwms",)),
+    "mwms": ("test_sigterm_before_time_limit_requeues_and_resumes", ("mwms",), TWO_NODES),
     "horovodrun": ("test_horovodrun_sigterm_requeues_and_resumes",
-                   ("horovod", "--launcher=horovodrun-gloo", "--gloo_iface=lo")),
-    "srun-pmix": ("test_horovod_srun_pmix_sigterm_requeues_and_resumes", ("horovod",)),  # the default launcher
+                   ("horovod", "--launcher=horovodrun-gloo", "--gloo_iface=lo"), ONE_NODE),
+    "srun-pmix": ("test_horovod_srun_pmix_sigterm_requeues_and_resumes", ("horovod",), TWO_NODES),  # default launcher
 }
 
 
@@ -525,12 +538,12 @@ def preempted(slurm, tmp_path_factory, request) -> dict[str, Preempted]:
     skip_checks = {"horovodrun": lambda: pytest.importorskip("horovod.tensorflow"),
                    "srun-pmix": lambda: horovod_with_mpi_or_skip(slurm)}
     jobs = {}
-    for launcher, (test, options) in PREEMPTED_JOBS.items():
+    for launcher, (test, options, nodes) in PREEMPTED_JOBS.items():
         if test not in selected or skipped(skip_checks.get(launcher, lambda: None)):
             continue
         path = tmp_path_factory.mktemp(f"preempted-{launcher}")
         script = make_script(path, *options, f"--config.train.epochs={PREEMPTED_EPOCHS}",
-                             "--config.train.log_every_steps=5")
+                             "--config.train.log_every_steps=5", nodes=nodes)
         jobs[launcher] = Preempted(path, slurm.submit(script))
     preempt_at_step(slurm, list(jobs.values()), PREEMPT_AT_STEP)
     return jobs
@@ -592,9 +605,15 @@ def assert_preempted_then_resumed(slurm, job: Preempted, total_steps: int) -> in
 @pytest.mark.slow
 def test_sigterm_before_time_limit_requeues_and_resumes(slurm, preempted):
     job = preempted["mwms"]
-    assert_preempted_then_resumed(slurm, job, total_steps=PREEMPTED_STEPS)
+    stopped_at = assert_preempted_then_resumed(slurm, job, total_steps=PREEMPTED_STEPS)
     text = job_log(job.path, job.job_id)
     assert "training step exited with 75" in text  # srun passed on the tasks' "checkpoint saved" code
+    # Across the two nodes' addresses, in both runs: each node's worker named in the cluster Slurm gave.
+    assert_ranks_on_both_nodes(slurm, text)
+    first, second = pair_partition_or_skip(slurm)
+    assert len(re.findall(rf"tfscale cluster from Slurm job {job.job_id} step \d+: workers {first}:\d+,{second}:\d+\n",
+                          text)) >= 2, text[-5000:]  # the first run and the rerun
+    assert text.count(f"checkpoint saved at step {stopped_at};") == 2, text[-5000:]  # both workers, the same step
 
 
 @pytest.mark.slow
@@ -637,6 +656,7 @@ def test_horovod_srun_pmix_sigterm_requeues_and_resumes(slurm, preempted):
     text = job_log(job.path, job.job_id)
     assert "training step exited with 75" in text
     assert text.count(f"checkpoint saved at step {stopped_at};") == 2, text[-5000:]  # both ranks, the same step
+    assert_ranks_on_both_nodes(slurm, text)
 
 
 PMIX_PROBE = """
@@ -752,6 +772,12 @@ def shards(tmp_path_factory):
     return out
 
 
+def node_local(slurm, node: str, path: str) -> str:
+    """`path` as node `node` sees it (its local disk is mounted in its slurmd's mount namespace only)."""
+    with open(os.path.join(slurm.root, f"slurmd-{node}.pid")) as f:
+        return f"/proc/{int(f.read())}/root{path}"
+
+
 def sha256(path) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -759,27 +785,38 @@ def sha256(path) -> str:
 
 @pytest.mark.slow
 def test_staging_step_copies_shards_and_training_reads_the_copy(slurm, tmp_path, shards):
-    """A TFRecord recipe (the CIFAR one, shrunk to the tiny shards) run as make_sbatch writes it: no dataset
-    override, the shards staged to node-local disk, training reads the copy."""
-    stage_dir = str(tmp_path / "node_local")
+    """A TFRecord recipe (the CIFAR one, shrunk to the tiny shards) run as make_sbatch writes it on two nodes: no
+    dataset override, the shards staged to each node's own local disk, each node's worker reads its node's copy."""
+    stage_dir = os.path.join(slurm.root, "local", f"data-{tmp_path.name}")  # a tmpfs of each node's own
     script = make_script(
         tmp_path, "mwms", f"--data_dir={shards}", f"--stage_dir={stage_dir}", "--config.data.num_classes=2",
         f"--config.data.num_train_examples={2 * TRAIN_PER_CLASS}", f"--config.data.num_eval_examples={2 * EVAL_PER_CLASS}",
         "--config.data.global_batch_size=8", "--config.train.epochs=1", "--config.train.log_every_steps=2",
         "--config.schedule.decay=cosine",  # the recipe's steps at epochs 91 and 136 lie beyond 1 epoch
         "--config.model.name=cifar_resnet8",  # the recipe's data path; a smaller model keeps the job short
-        config="configs/cifar_resnet20.py",
+        config="configs/cifar_resnet20.py", nodes=TWO_NODES,
     )
     job_id = slurm.submit(script)
     text = assert_completed_once(slurm, tmp_path, job_id)
+    assert_ranks_on_both_nodes(slurm, text)
     names = ["train-00000-of-00002", "train-00001-of-00002", "validation-00000-of-00001"]
     # Shards + manifests; not dali-index/, which DALI writes in a copy when it reads one.
     converted = sorted(name for name in os.listdir(shards)
                        if not name.startswith(".") and os.path.isfile(os.path.join(shards, name)))
     assert set(names) < set(converted)
-    for name in converted:
-        assert sha256(os.path.join(stage_dir, name)) == sha256(os.path.join(shards, name)), name
-    assert re.search(rf"staged {re.escape(shards)} -> {re.escape(stage_dir)}: copied \d+ files", text), text[-3000:]
+    # Each node holds its own copy, seen through its slurmd's mount namespace; this host's directory stays empty.
+    assert not os.path.exists(stage_dir)
+    staged = {node: node_local(slurm, node, stage_dir) for node in pair_partition_or_skip(slurm)}
+    for node, directory in staged.items():
+        # Every eval shard, and the train shard of its own worker (rank r reads train shard r of 2).
+        assert "validation-00000-of-00001" in os.listdir(directory) and \
+            len([n for n in os.listdir(directory) if n.startswith("train-")]) == 1, (node, os.listdir(directory))
+        for name in os.listdir(directory):
+            if not name.startswith(".") and os.path.isfile(os.path.join(directory, name)):
+                assert sha256(os.path.join(directory, name)) == sha256(os.path.join(shards, name)), (node, name)
+    assert {n for d in staged.values() for n in os.listdir(d) if n.startswith("train-")} == set(names[:2])
+    assert len(re.findall(rf"staged {re.escape(shards)} -> {re.escape(stage_dir)}: copied \d+ files", text)) == 2, \
+        text[-3000:]
     # Training read TFRecords (the recipe's own dataset), from the staged copy (not the shared one), all of it.
     config = json.loads((tmp_path / "run" / layout.CONFIG).read_text())
     assert config["data"]["dataset"] == "tfrecord"
