@@ -20,7 +20,7 @@ DALI_STAMP := $(VENV)/.installed-dali
 # What `mpicc` is here ("none" without one): Horovod is rebuilt when it changes (OpenMPI installed, removed, updated).
 MPI_STATE := $(VENV)/.mpi-state
 
-.PHONY: venv horovod horovod-gpu clang-cuda dali mpi slurm fashion-mnist FORCE demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling soak clean
+.PHONY: venv horovod horovod-gpu clang-cuda dali mpi slurm fashion-mnist FORCE demo test test-fast test-slow bench-input bench-fit bench-loop bench-convert bench-scaling bench-netbed soak clean
 
 venv: $(STAMP)
 
@@ -167,6 +167,11 @@ bench-convert: venv
 # table + plot in runs/sweep/report.{md,png}.
 bench-scaling: venv horovod
 	$(PY) tools/sweep.py --workdir=runs/sweep --workers=1,2 --backends=mwms,horovod
+
+# Two hosts of a test bed (network namespaces, root only), their link shaped to each rate: the overlap of buckets
+# vs one message, measured beside tfscale-plan's prediction from the bed's own microbenchmarks (docs/scaling.md).
+bench-netbed: venv
+	$(PY) tools/netbed_sweep.py --workdir=runs/netbed --rates_mbit=50,200,1000,0 --rounds=3
 
 # Fault-injection soak (docs/reliability.md): kill -9 / SIGTERM at random steps of a 2-worker run, each
 # followed by a resume; the finished run must equal an uninterrupted one. `make soak CYCLES=50`.

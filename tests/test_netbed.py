@@ -224,3 +224,20 @@ def test_horovod_through_tfscale_launch_on_one_host_is_unreachable_from_another(
     assert set(from_another_host.values()) == {"refused"}, from_another_host
     assert set(on_the_host.values()) == {"open"}, on_the_host  # the probe does reach what is there to reach
     assert launch.MWMS_REACHABLE not in log_path.read_text()
+
+
+@pytest.mark.slow
+def test_bench_netbed_measures_both_modes_beside_the_prediction(tmp_path):
+    """`make bench-netbed` shrunk to one round at one rate: the table's shape, not its figures (docs/scaling.md)."""
+    from test_tools import run_target
+
+    prefix = f"tfw{os.getpid() % 100000}"
+    result = run_target("bench-netbed", "--rates_mbit=100", "--rounds=1", "--num_batches=3", "--num_warmup_batches=1",
+                        "--allreduce_max_bytes=262144", f"--workdir={tmp_path}", f"--prefix={prefix}")
+    report = json.loads((tmp_path / "report.json").read_text())
+    (row,) = report["rows"]
+    assert row["rate_mbit"] == 100 and len(row["one_message"]) == len(row["buckets"]) == len(report["ceilings"]) == 1
+    assert all(0 < e < 1.5 for e in (*row["one_message"], *row["buckets"], *report["ceilings"]))
+    assert 0 < row["predicted_one_message"] <= 1 and 0 < row["predicted_buckets"] <= 1
+    assert "| 100 Mbit/s |" in result.stdout and "Ceiling (two 1-worker runs side by side" in result.stdout
+    assert netbed.leftovers(prefix) == []  # the sweep took its bed down

@@ -120,7 +120,8 @@ def _run(*command: str, missing_ok: bool = False) -> None:
 
 
 def _is_missing(stderr: str) -> bool:
-    return any(text in stderr for text in ("Cannot find device", "No such file", "does not exist", "not found"))
+    return any(text in stderr for text in ("Cannot find device", "No such file", "does not exist", "not found",
+                                           "handle of zero"))  # the last: no qdisc of ours to delete
 
 
 def _tbf(rate_mbit: float) -> list[str]:
@@ -170,12 +171,7 @@ def up(prefix: str = DEFAULT_PREFIX, num_hosts: int = 2, subnet: str | None = No
         raise NetbedError(f"netbed {prefix!r} is up already ({state_path(prefix)}): take it down first: "
                           f"python tools/netbed.py down --prefix={prefix}")
     _check_subnet_free(bed.subnet)
-    os.makedirs(STATE_DIR, exist_ok=True)
-    # The plan first: whatever of it exists when `up` is killed, `down` finds by it.
-    tmp = state_path(prefix) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(bed.to_json(), f, indent=1)
-    os.replace(tmp, state_path(prefix))
+    _write_state(bed)  # the plan first: whatever of it exists when `up` is killed, `down` finds by it
     try:
         _make(bed)
     except BaseException:
@@ -209,6 +205,31 @@ def _make(bed: Bed) -> None:
             # tbf shapes what leaves an interface: the bridge's end shapes traffic to the host, eth0 from it.
             _run("tc", "qdisc", "replace", "dev", host.veth, *_tbf(bed.rate_mbit))
             _run("tc", "-n", ns, "qdisc", "replace", "dev", HOST_IFACE, *_tbf(bed.rate_mbit))
+
+
+def set_rate(bed: Bed, rate_mbit: float | None) -> Bed:
+    """Reshapes every link of a running bed to `rate_mbit` both ways (None: unshaped); returns the bed as it is now,
+    its state file rewritten."""
+    if rate_mbit is not None and rate_mbit <= 0:
+        raise ValueError(f"netbed rate_mbit must be > 0 (or None for unshaped links), got {rate_mbit}")
+    for host in bed.hosts:
+        for where in ([], ["-n", host.namespace]):
+            iface = HOST_IFACE if where else host.veth
+            if rate_mbit is None:
+                _run("tc", *where, "qdisc", "del", "dev", iface, "root", missing_ok=True)
+            else:
+                _run("tc", *where, "qdisc", "replace", "dev", iface, *_tbf(rate_mbit))
+    bed = dataclasses.replace(bed, rate_mbit=rate_mbit)
+    _write_state(bed)
+    return bed
+
+
+def _write_state(bed: Bed) -> None:
+    os.makedirs(STATE_DIR, exist_ok=True)
+    tmp = state_path(bed.prefix) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(bed.to_json(), f, indent=1)
+    os.replace(tmp, state_path(bed.prefix))
 
 
 def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
