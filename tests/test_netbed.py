@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import REPO, quiet_env
 from test_multiworker import DRIVER, SHORT, assert_weights_close, logged_steps, weights
-from test_ports import EVERY_INTERFACE, LOOPBACK, TRAIN, _process_tree, addresses, listening
+from test_ports import EVERY_INTERFACE, LOOPBACK, TRAIN, addresses, listening, training
 
 from tfscale.launch import launch, netbed
 
@@ -201,29 +201,14 @@ def test_horovod_through_tfscale_launch_on_one_host_is_unreachable_from_another(
     # The whole job, launcher included, on host 0; host 2 tries every port its processes listen on.
     command = bed.host_command(0, [sys.executable, "-m", "tfscale.launch", "--num_workers=2", "--threads_per_worker=1",
                                    "--backend=horovod", "--", *TRAIN, f"--workdir={tmp_path / 'run'}"])
-    log_path = tmp_path / "launch.log"
-    with open(log_path, "w") as log:
-        launcher = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 180
-        while " step " not in log_path.read_text():
-            assert launcher.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.2)
-        sockets = listening(launcher.pid)
+    with training(command, tmp_path, "launch") as (launcher, sockets):
         assert set(sockets) == {launcher.pid} and addresses(sockets) <= LOOPBACK, sockets
         ports = [port for found in sockets.values() for _, port in found]
         from_another_host = probe_from(bed, 2, [f"{bed.hosts[0].address}:{port}" for port in ports])
         on_the_host = probe_from(bed, 0, [f"127.0.0.1:{port}" for port in ports])
-    finally:
-        for pid in reversed(_process_tree(launcher.pid)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        launcher.wait()
     assert set(from_another_host.values()) == {"refused"}, from_another_host
     assert set(on_the_host.values()) == {"open"}, on_the_host  # the probe does reach what is there to reach
-    assert launch.MWMS_REACHABLE not in log_path.read_text()
+    assert launch.MWMS_REACHABLE not in (tmp_path / "launch.log").read_text()
 
 
 @pytest.mark.slow

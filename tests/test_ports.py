@@ -6,6 +6,7 @@ checked against docs/security.md's table: loopback where tfscale chooses the add
 where TensorFlow, Horovod's horovodrun or OpenMPI choose it.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -75,25 +76,33 @@ def listening(root_pid: int) -> dict[int, set[tuple[str, int]]]:
     return found
 
 
-def run_until_training(command, tmp_path, name):
-    """Starts `command`, waits for its first logged step, returns ({pid: sockets}, launcher pid, output)."""
+@contextlib.contextmanager
+def training(command, tmp_path, name):
+    """Starts `command` and yields (its process, {pid: sockets} of its tree) once the first step is logged; kills
+    the whole tree on leaving. The output goes to tmp_path/NAME.log."""
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, env=quiet_env(), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 240
-            while " step " not in log_path.read_text():
-                assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-                time.sleep(0.2)
-            sockets = listening(proc.pid)
-        finally:
-            for pid in reversed(_process_tree(proc.pid)):  # tfscale.launch's workers run in sessions of their own
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-    return sockets, proc.pid, log_path.read_text()
+    try:
+        deadline = time.time() + 240
+        while " step " not in log_path.read_text():
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        yield proc, listening(proc.pid)
+    finally:
+        for pid in reversed(_process_tree(proc.pid)):  # tfscale.launch's workers run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
+def run_until_training(command, tmp_path, name):
+    """Starts `command`, waits for its first logged step, returns ({pid: sockets}, launcher pid, output)."""
+    with training(command, tmp_path, name) as (proc, sockets):
+        pass
+    return sockets, proc.pid, (tmp_path / f"{name}.log").read_text()
 
 
 def addresses(sockets: dict[int, set[tuple[str, int]]], pids=None) -> set[str]:
