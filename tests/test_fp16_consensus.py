@@ -23,6 +23,7 @@ import pytest
 from conftest import REPO, quiet_env
 
 from tfscale.launch import launch
+from tfscale.launch.rendezvous import HorovodRendezvous
 
 NUM_FEATURES = 4
 NUM_CLASSES = 3
@@ -267,7 +268,7 @@ def start_workers(backend, tmp_path):
     """The driver as two workers of `backend`; returns their JSON results, rank 0's first."""
     outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
-    rendezvous = launch._HorovodRendezvous(2) if backend == "horovod" else None
+    rendezvous = HorovodRendezvous(2) if backend == "horovod" else None
     address = rendezvous.port if rendezvous else launch.free_ports(2)
     try:
         procs = [start_driver(backend, outs[rank], logs[rank], **launch.worker_env(rank, 2, address, backend, 1))

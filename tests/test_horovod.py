@@ -22,6 +22,7 @@ from tfscale import config as tfs_config
 from tfscale.cluster import collectives, distribute, horovod_start
 from tfscale.config import validation
 from tfscale.launch import launch
+from tfscale.launch.rendezvous import HorovodRendezvous
 from tfscale.workdir import layout
 
 pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run `make horovod`")
@@ -126,7 +127,7 @@ def test_sigterm_stops_both_ranks_at_one_step_then_resume_finishes(tmp_path):
 @pytest.mark.slow
 def test_killed_rank_ends_the_other_without_hanging(tmp_path):
     workdir = str(tmp_path / "run")
-    rendezvous = launch._HorovodRendezvous(2)
+    rendezvous = HorovodRendezvous(2)
     procs, _ = start_workers(
         ["-m", "tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}", "--config.train.epochs=500",
          "--config.distribute.backend=horovod", "--config.train.log_every_steps=5"],
@@ -250,7 +251,7 @@ CONNECT_TIMEOUT_S = 2
 
 @pytest.mark.slow
 def test_missing_rank_fails_within_the_connect_timeout(tmp_path):
-    rendezvous = launch._HorovodRendezvous(2)
+    rendezvous = HorovodRendezvous(2)
     started = time.time()
     try:  # rank 1 of 2 never starts
         result = subprocess.run(

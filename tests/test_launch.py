@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tfscale.launch import launch
+from tfscale.launch import launch, rendezvous
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -399,7 +399,7 @@ def test_horovod_missing_gives_clear_error(monkeypatch, tmp_path, capsys):
     with pytest.raises(launch.LaunchError, match=r"backend horovod needs Horovod: .*`make horovod`"):
         launch.launch(argv, num_workers=2, backend="horovod")
     assert launch.main(["--num_workers=2", "--backend=horovod", "--", *argv]) == 1
-    assert launch.HOROVOD_MISSING in capsys.readouterr().err
+    assert rendezvous.HOROVOD_MISSING in capsys.readouterr().err
     assert not marker.exists()  # nothing was started
 
 
@@ -409,7 +409,7 @@ def test_horovod_missing_cli():
             "sys.exit(launch.main(['--num_workers=2', '--backend=horovod', '--', '-c', 'pass']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert launch.HOROVOD_MISSING in proc.stderr
+    assert rendezvous.HOROVOD_MISSING in proc.stderr
 
 
 def test_horovod_job_drops_inherited_tf_config():

@@ -27,21 +27,19 @@ import os
 import shlex
 import socket
 import sys
-import threading
 from typing import Sequence
 
 from absl import flags
 
 from tfscale import cli
 from tfscale.cluster import devices
-from tfscale.config import HOROVOD_INSTALL_HINT
 from tfscale.errors import EXIT_CLUSTER_UNAVAILABLE, EXIT_USAGE, LaunchError
 from tfscale.launch import netbed
+from tfscale.launch.rendezvous import HorovodRendezvous
 from tfscale.launch.supervise import SignalRecorder, run_workers, say
 
 LOOPBACK = "127.0.0.1"
 BACKENDS = ("mwms", "horovod")
-HOROVOD_MISSING = f"backend horovod needs Horovod: {HOROVOD_INSTALL_HINT}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,6 +90,12 @@ class Placement:
 
     def one_host(self) -> bool:
         return not self.addresses
+
+    def slots(self, num_workers: int) -> list[str]:
+        """horovodrun's -H list: every worker on this host, or one on each host of the bed."""
+        if self.one_host():
+            return [f"{LOOPBACK}:{num_workers}"]
+        return [f"{self.address(rank)}:1" for rank in range(num_workers)]
 
 
 LOCAL = Placement()
@@ -176,41 +180,6 @@ def _child_env(base: dict[str, str], overrides: dict[str, str], backend: str) ->
     return env
 
 
-# ----------------------------------------------------------------------------------------------
-# Horovod rendezvous
-
-
-class _HorovodRendezvous:
-    """horovodrun's rendezvous HTTP server (gloo_run.launch_gloo), run inside the launcher, on loopback.
-
-    `hvd.init()` in each worker fetches its peers from this key-value server; the plan tells the server
-    how many workers join each scope (global, local_<host>, cross_<local rank>). Horovod's own
-    `RendezvousServer.start` binds every interface (horovod/runner/util/network.py `find_port`: address
-    ''); it binds the placement's rendezvous address instead: 127.0.0.1 when the workers are all on this host,
-    so nobody else can reach it; a test bed's bridge address when they run on the bed's hosts.
-    """
-
-    def __init__(self, num_workers: int, placement: Placement = LOCAL):
-        try:
-            from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-            from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
-        except ImportError as err:
-            raise LaunchError(f"{HOROVOD_MISSING} ({err})") from err
-        # Port 0: the kernel picks a free port and the server keeps it bound: no window for another process.
-        self._httpd = RendezvousHTTPServer((placement.rendezvous_address, 0), RendezvousHandler, 0)
-        self.port = int(self._httpd.server_address[1])
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="horovod-rendezvous", daemon=True)
-        self._thread.start()
-        slots = ([f"{LOOPBACK}:{num_workers}"] if placement.one_host()
-                 else [f"{placement.address(rank)}:1" for rank in range(num_workers)])
-        hosts = parse_hosts(",".join(slots))
-        self._httpd.init(get_host_assignments(hosts, num_workers))  # positional: names vary by version
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._thread.join()
-
-
 # What MWMS workers open, said once at start-up where someone else could reach it (docs/security.md).
 MWMS_REACHABLE = ("note: each MWMS worker's TensorFlow server listens on every interface of this host for the whole run "
                   "(TensorFlow binds 0.0.0.0 and has no authentication: whoever reaches its port can run TensorFlow "
@@ -275,7 +244,8 @@ def launch(
     # Resolved now, not at import: callers (and pytest's capture) may have replaced the streams.
     out, err = sys.stdout, sys.stderr
 
-    rendezvous = _HorovodRendezvous(num_workers, placement) if backend == "horovod" else None
+    rendezvous = HorovodRendezvous(num_workers, placement.rendezvous_address, placement.slots(num_workers)) \
+        if backend == "horovod" else None
     # The recorder stays installed through the clean-up too: a SIGTERM arriving then must not kill
     # the launcher before it has killed the workers.
     with SignalRecorder() as signals:
