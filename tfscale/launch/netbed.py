@@ -201,10 +201,8 @@ def _make(bed: Bed) -> None:
         _run("ip", "-n", ns, "link", "set", HOST_IFACE, "up")
         _run("ip", "link", "set", host.veth, "master", bed.bridge)
         _run("ip", "link", "set", host.veth, "up")
-        if bed.rate_mbit is not None:
-            # tbf shapes what leaves an interface: the bridge's end shapes traffic to the host, eth0 from it.
-            _run("tc", "qdisc", "replace", "dev", host.veth, *_tbf(bed.rate_mbit))
-            _run("tc", "-n", ns, "qdisc", "replace", "dev", HOST_IFACE, *_tbf(bed.rate_mbit))
+    if bed.rate_mbit is not None:
+        set_rate(bed, bed.rate_mbit)
 
 
 def set_rate(bed: Bed, rate_mbit: float | None) -> Bed:
@@ -213,6 +211,7 @@ def set_rate(bed: Bed, rate_mbit: float | None) -> Bed:
     if rate_mbit is not None and rate_mbit <= 0:
         raise ValueError(f"netbed rate_mbit must be > 0 (or None for unshaped links), got {rate_mbit}")
     for host in bed.hosts:
+        # tbf shapes what leaves an interface: the bridge's end shapes traffic to the host, eth0 traffic from it.
         for where in ([], ["-n", host.namespace]):
             iface = HOST_IFACE if where else host.veth
             if rate_mbit is None:
