@@ -74,9 +74,8 @@ def slurm_unavailable_reason() -> str | None:
 class Slurm:
     """A running testbed: its environment (SLURM_CONF), its nodes, and the sbatch/sacct/scancel calls the tests need."""
 
-    def __init__(self, root: str, bed: netbed.Bed):
+    def __init__(self, root: str):
         self.root = root
-        self.bed = bed
         self.env = {**os.environ, "SLURM_CONF": os.path.join(root, "slurm.conf"), "TF_CPP_MIN_LOG_LEVEL": "2",
                     "PYTHONUNBUFFERED": "1"}
         self.env.pop("TF_CONFIG", None)  # jobs must take their cluster from Slurm
@@ -141,7 +140,7 @@ def slurm():
     try:
         started = subprocess.run([TESTBED, "start", root], env=env, capture_output=True, text=True, timeout=120)
         assert started.returncode == 0, f"testbed did not start: {started.stderr}\n{logs(root)}"
-        yield Slurm(root, bed)
+        yield Slurm(root)
     finally:
         subprocess.run([TESTBED, "stop", root], capture_output=True, text=True, timeout=120)
         netbed.down(bed.prefix)

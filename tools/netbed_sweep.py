@@ -121,6 +121,11 @@ def predict(one_worker_json: str, allreduce_json: str, pack_bytes: int, extra: l
     return row["speedup"] / 2
 
 
+def rate_tag(rate: float | None) -> str:
+    """The rate in a run's directory name."""
+    return "unshaped" if rate is None else f"{rate:g}mbit"
+
+
 def rate_name(rate: float | None) -> str:
     return "unshaped" if rate is None else f"{rate:g} Mbit/s"
 
@@ -141,11 +146,11 @@ def run_rounds(bed: netbed.Bed, rates: list, extra: list[str]) -> tuple[dict, li
             modes = list(MODES.items()) if round_index % 2 == 0 else list(reversed(MODES.items()))
             for mode, pack in modes:
                 pack = _PACK_BYTES.value if pack is None else pack
-                name = f"two_{'unshaped' if rate is None else f'{rate:g}mbit'}_{'buckets' if pack else 'one'}_{tag}"
+                name = f"two_{rate_tag(rate)}_{'buckets' if pack else 'one'}_{tag}"
                 report = measure(bed, name, 2, pack, extra)
                 efficiencies.setdefault((rate, mode), []).append(report["total_images_per_sec"] / (2 * alone))
             if round_index == 0:
-                name = f"allreduce_{'unshaped' if rate is None else f'{rate:g}mbit'}"
+                name = f"allreduce_{rate_tag(rate)}"
                 measure(bed, name, 2, 0, extra, mode="allreduce")
                 microbenchmarks[rate] = (layout.benchmark(os.path.join(root, f"one_worker_{tag}")),
                                          layout.benchmark(os.path.join(root, name)))

@@ -241,9 +241,9 @@ def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
         links = [bed.bridge, *(h.veth for h in bed.hosts), *(h.peer for h in bed.hosts)]
     except NetbedError:
         namespaces, links = [], []
-    namespaces += [ns for ns in _namespaces() if ns.startswith(f"{prefix}-") and ns not in namespaces]
-    links += [link for link in _links() if link.startswith(f"{prefix}-") and link not in links]
     existing_ns = set(_namespaces())
+    namespaces += sorted(ns for ns in existing_ns if ns.startswith(f"{prefix}-") and ns not in namespaces)
+    links += [link for link in _links() if link.startswith(f"{prefix}-") and link not in links]
     for ns in namespaces:
         if ns in existing_ns:
             # A namespace lives on while a process is in it (a job's orphan, say), and so do its links.
