@@ -4,6 +4,7 @@
     sudo python tools/netbed.py up --hosts=3 [--rate_mbit=100] [--prefix=tfsnb] [--subnet=10.213.X.0/24]
     sudo python tools/netbed.py status [--prefix=tfsnb]
     sudo python tools/netbed.py exec --host=1 -- python -c 'import socket; print(socket.gethostname())'
+    sudo python tools/netbed.py cpu --host=1 --cpu_fraction=0.7   # host 1 a straggler: 70 % of one core
     sudo python tools/netbed.py down [--prefix=tfsnb]
 
 `python -m tfscale.launch --netbed=PREFIX ...` then starts worker i on host i. What the bed is and how it
@@ -25,8 +26,10 @@ _HOSTS = flags.DEFINE_integer("hosts", 2, "up: how many hosts.")
 _SUBNET = flags.DEFINE_string("subnet", None, "up: the bed's private IPv4 subnet (default: the first free "
                               f"{netbed.SUBNETS[0]} ... {netbed.SUBNETS[-1]}).")
 _RATE = flags.DEFINE_float("rate_mbit", None, "up: each host's link rate in both directions (default: unshaped).")
-_HOST = flags.DEFINE_integer("host", 0, "exec: the host to run the command on.")
-ACTIONS = ("up", "status", "exec", "down")
+_HOST = flags.DEFINE_integer("host", 0, "exec, cpu: the host to run the command on, or to limit.")
+_CPU = flags.DEFINE_float("cpu_fraction", None, "cpu: the host's share of the machine, in cores, for every process "
+                          "started on it from now on (default: no limit).")
+ACTIONS = ("up", "status", "exec", "cpu", "down")
 
 
 def main(argv):
@@ -44,7 +47,11 @@ def main(argv):
             if not command:
                 raise app.UsageError("exec: give the command after --")
             bed = netbed.load(_PREFIX.value)
-            os.execvp("ip", bed.host_command(_HOST.value, command))
+            argv = bed.host_command(_HOST.value, command)
+            os.execvp(argv[0], argv)
+        elif action == "cpu":
+            bed = netbed.set_cpu(netbed.load(_PREFIX.value), _HOST.value, _CPU.value)
+            print(json.dumps(bed.to_json()["hosts"][_HOST.value], indent=1))
         else:
             for line in netbed.down(_PREFIX.value):
                 print(f"removed {line}")

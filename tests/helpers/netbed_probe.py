@@ -4,6 +4,7 @@
     netbed_probe.py send ADDRESS PORT BYTES      connects and sends BYTES
     netbed_probe.py connect ADDRESS:PORT ...     prints {"ADDRESS:PORT": "open" | "refused" | "timeout" | error}
     netbed_probe.py whoami                       prints {"hostname", "resolves": {name: address}, "routes"}
+    netbed_probe.py spin SECONDS                 a busy loop; prints the CPU seconds it got per wall second
 
 Standard library only: it starts in a few hundredths of a second.
 """
@@ -52,12 +53,21 @@ def whoami(names: list[str]) -> dict:
             "routes": [route["dst"] for route in json.loads(routes)]}
 
 
+def spin(seconds: float) -> float:
+    start_s, start_cpu_s = time.monotonic(), time.process_time()
+    while time.monotonic() - start_s < seconds:
+        pass
+    return (time.process_time() - start_cpu_s) / (time.monotonic() - start_s)
+
+
 if __name__ == "__main__":
     action, args = sys.argv[1], sys.argv[2:]
     if action == "recv":
         receive(args[0], int(args[1]))
     elif action == "send":
         send(args[0], int(args[1]), int(args[2]))
+    elif action == "spin":
+        print(f"{spin(float(args[0])):.3f}")
     elif action == "connect":
         print(json.dumps({target: try_connect(target) for target in args}))
     else:

@@ -8,14 +8,15 @@ Each host is a network namespace with one interface, `eth0`, at its own address 
 joined by a veth pair to a bridge in this namespace (the bridge holds the subnet's last address, where a
 launcher here reaches the hosts). A rate shapes each host's link in both directions with a token bucket
 (`tc ... tbf` on both ends of its veth pair; this kernel has no netem, so links can be slowed but not
-delayed). A command run on a host (`host_command`) also gets its own host name (a UTS namespace) and an
-/etc/hosts naming every host of the bed (`ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts), so
-`socket.gethostname()` there resolves to the host's own address, as on a cluster node.
+delayed). A host can also be given a share of the machine's CPU (`set_cpu`: a cgroup CPU quota on every
+process started on it), to make one host a straggler. A command run on a host (`host_command`) also gets its
+own host name (a UTS namespace) and an /etc/hosts naming every host of the bed (`ip netns exec` mounts
+/etc/netns/NS/hosts over /etc/hosts), so `socket.gethostname()` there resolves to the host's own address.
 
 Traffic stays inside the bed: the namespaces have no route beyond the subnet, and `up` refuses a subnet that
 any route of this machine already covers. Every name starts with the bed's prefix, and the plan of what `up`
 makes is written to a state file before anything is made, so `down` after a kill -9 at any point of `up` (or
-of a job) still removes every namespace, link, bridge and qdisc (qdiscs go with their links), then sweeps
+of a job) still removes every namespace, link, bridge, qdisc (they go with their links) and CPU cgroup, then sweeps
 anything else whose name carries the prefix. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2.
 """
 
@@ -28,6 +29,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from typing import Sequence
 
 DEFAULT_PREFIX = "tfsnb"
@@ -37,6 +39,11 @@ NETNS_ETC = "/etc/netns"  # `ip netns exec NS` bind-mounts the files of /etc/net
 HOST_IFACE = "eth0"  # each host's one interface, inside its namespace
 MAX_PREFIX_CHARS = 8  # interface names hold 15 characters: PREFIX-br, PREFIX-vNN, PREFIX-pNN
 TBF_LATENCY_MS = 50  # the longest a packet waits in the bucket's queue before it is dropped
+# A host's CPU quota is enforced per period: 10 ms, shorter than a step, makes the host uniformly slower (as an
+# older or throttled node is) rather than stalling it for a whole step once in a while, as 100 ms (the default) would.
+CPU_PERIOD_US = 10_000
+CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"  # cgroup v1's cpu controller (cpu.cfs_quota_us)
+CGROUP_V2 = "/sys/fs/cgroup"  # cgroup v2's unified tree (cpu.max)
 
 
 class NetbedError(RuntimeError):
@@ -50,6 +57,8 @@ class Host:
     address: str
     veth: str  # this namespace's end of the host's link, on the bridge
     peer: str  # the other end's name before it moves into the namespace and becomes HOST_IFACE
+    cpu_cgroup: str = ""  # set by `set_cpu`: the cgroup every process started on the host joins
+    cpu_fraction: float | None = None  # its quota, in cores; None: unlimited
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +72,18 @@ class Bed:
 
     def host_command(self, index: int, argv: Sequence[str]) -> list[str]:
         """`argv` run on host `index`: in its namespace, under its own host name (same pid: every step execs)."""
+        host = self.host(index)
+        command = ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c",
+                   'hostname "$0" && exec "$@"', host.namespace, *argv]
+        if host.cpu_cgroup:  # joined before `ip netns exec`, whose fresh /sys has no cgroup tree mounted
+            command = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(host.cpu_cgroup, "cgroup.procs"),
+                       *command]
+        return command
+
+    def host(self, index: int) -> Host:
         if not 0 <= index < len(self.hosts):
             raise NetbedError(f"netbed {self.prefix!r} has hosts 0-{len(self.hosts) - 1}, not host {index}")
-        host = self.hosts[index]
-        return ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', host.namespace, *argv]
+        return self.hosts[index]
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -223,6 +239,47 @@ def set_rate(bed: Bed, rate_mbit: float | None) -> Bed:
     return bed
 
 
+def set_cpu(bed: Bed, index: int, fraction: float | None) -> Bed:
+    """Limits every process started on host `index` from now on to `fraction` of one core (None: no limit), by a
+    CPU quota on the host's cgroup (made here, named after the host); returns the bed as it is now."""
+    if fraction is not None and fraction <= 0:
+        raise ValueError(f"netbed cpu fraction must be > 0 (or None for no limit), got {fraction}")
+    host = bed.host(index)
+    root, version = _cpu_root()
+    cgroup = host.cpu_cgroup or os.path.join(root, host.namespace)
+    os.makedirs(cgroup, exist_ok=True)
+    quota_us = -1 if fraction is None else max(1000, round(fraction * CPU_PERIOD_US))
+    if version == 1:
+        _write(os.path.join(cgroup, "cpu.cfs_period_us"), CPU_PERIOD_US)
+        _write(os.path.join(cgroup, "cpu.cfs_quota_us"), quota_us)
+    else:
+        _write(os.path.join(cgroup, "cpu.max"), f"{'max' if quota_us < 0 else quota_us} {CPU_PERIOD_US}")
+    hosts = list(bed.hosts)
+    hosts[index] = dataclasses.replace(host, cpu_cgroup=cgroup, cpu_fraction=fraction)
+    bed = dataclasses.replace(bed, hosts=tuple(hosts))
+    _write_state(bed)
+    return bed
+
+
+def _cpu_root() -> tuple[str, int]:
+    """(the directory under which a host's CPU cgroup goes, the cgroup version)."""
+    if os.path.exists(os.path.join(CGROUP_V1_CPU, "cpu.cfs_quota_us")):
+        return CGROUP_V1_CPU, 1
+    controllers = os.path.join(CGROUP_V2, "cgroup.controllers")
+    if os.path.exists(controllers) and "cpu" in open(controllers).read().split():
+        return CGROUP_V2, 2
+    raise NetbedError(f"no cgroup cpu controller at {CGROUP_V1_CPU} (v1) or {CGROUP_V2} (v2): a host's CPU share "
+                      "cannot be limited on this machine")
+
+
+def _write(path: str, value) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(f"{value}\n")
+    except OSError as err:
+        raise NetbedError(f"{path}: cannot write {value!r}: {err}") from None
+
+
 def _write_state(bed: Bed) -> None:
     os.makedirs(STATE_DIR, exist_ok=True)
     tmp = state_path(bed.prefix) + ".tmp"
@@ -239,8 +296,10 @@ def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
         bed = load(prefix)
         namespaces = [h.namespace for h in bed.hosts]
         links = [bed.bridge, *(h.veth for h in bed.hosts), *(h.peer for h in bed.hosts)]
+        cgroups = [h.cpu_cgroup for h in bed.hosts if h.cpu_cgroup]
     except NetbedError:
-        namespaces, links = [], []
+        namespaces, links, cgroups = [], [], []
+    cgroups += [cgroup for cgroup in _cgroups(prefix) if cgroup not in cgroups]
     existing_ns = set(_namespaces())
     namespaces += sorted(ns for ns in existing_ns if ns.startswith(f"{prefix}-") and ns not in namespaces)
     links += [link for link in _links() if link.startswith(f"{prefix}-") and link not in links]
@@ -257,9 +316,40 @@ def down(prefix: str = DEFAULT_PREFIX) -> list[str]:
         if link in existing_links:
             _run("ip", "link", "delete", link, missing_ok=True)
             removed.append(f"link {link}")
+    for cgroup in cgroups:
+        if os.path.isdir(cgroup):
+            _remove_cgroup(cgroup)
+            removed.append(f"cgroup {cgroup}")
     if os.path.exists(state_path(prefix)):
         os.remove(state_path(prefix))
     return removed
+
+
+def _remove_cgroup(cgroup: str) -> None:
+    """rmdir, once every process in it (one started on the host, say, then moved out of its namespace) is gone."""
+    for _ in range(100):
+        with open(os.path.join(cgroup, "cgroup.procs")) as f:
+            pids = [int(pid) for pid in f.read().split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.rmdir(cgroup)
+            return
+        except OSError:  # EBUSY until the killed processes have exited
+            time.sleep(0.05)
+    raise NetbedError(f"{cgroup}: still busy after its processes were killed")
+
+
+def _cgroups(prefix: str) -> list[str]:
+    found = []
+    for root in (CGROUP_V1_CPU, CGROUP_V2):
+        if os.path.isdir(root):
+            found += [os.path.join(root, d) for d in sorted(os.listdir(root)) if d.startswith(f"{prefix}-")
+                      and os.path.isdir(os.path.join(root, d))]
+    return found
 
 
 def _kill_processes_in(namespace: str) -> None:
@@ -282,11 +372,12 @@ def _links() -> list[str]:
 
 
 def leftovers(prefix: str) -> list[str]:
-    """Every namespace, link, /etc/netns directory or state file whose name carries `prefix`: [] when the bed is gone."""
+    """Every namespace, link, /etc/netns directory, CPU cgroup or state file whose name carries `prefix`: [] when the bed is gone."""
     found = [f"netns {ns}" for ns in _namespaces() if ns.startswith(f"{prefix}-")]
     found += [f"link {link}" for link in _links() if link.startswith(f"{prefix}-")]
     if os.path.isdir(NETNS_ETC):
         found += [f"{NETNS_ETC}/{d}" for d in os.listdir(NETNS_ETC) if d.startswith(f"{prefix}-")]
+    found += [f"cgroup {cgroup}" for cgroup in _cgroups(prefix)]
     if os.path.exists(state_path(prefix)):
         found.append(state_path(prefix))
     return found
