@@ -95,12 +95,15 @@ def test_down_after_a_killed_up_and_with_a_process_left_on_a_host_leaves_nothing
             time.sleep(0.05)
         up.kill()  # kill -9 in the middle of making host 3 or so: links, qdiscs, namespaces half made
         up.wait()
-        stray = subprocess.Popen(["ip", "netns", "exec", f"{prefix}-h0", "sleep", "600"])
+        # A straggler's CPU cgroup on host 0, with a process left in it.
+        half_made = netbed.set_cpu(netbed.load(prefix), 0, 0.5)
+        stray = subprocess.Popen(half_made.host_command(0, ["sleep", "600"]))
         assert netbed.leftovers(prefix), "the killed up made nothing to take down"
         down = subprocess.run([sys.executable, NETBED_TOOL, "down", f"--prefix={prefix}"], capture_output=True,
                               text=True, timeout=120)
         assert down.returncode == 0, down.stderr
         assert f"removed netns {prefix}-h0" in down.stdout and f"removed link {prefix}-br" in down.stdout
+        assert f"removed cgroup {half_made.hosts[0].cpu_cgroup}" in down.stdout
         assert netbed.leftovers(prefix) == []
         assert stray.wait(timeout=10) == -signal.SIGKILL  # the process left on a host went with it
         again = subprocess.run([sys.executable, NETBED_TOOL, "down", f"--prefix={prefix}"], capture_output=True,
@@ -111,6 +114,25 @@ def test_down_after_a_killed_up_and_with_a_process_left_on_a_host_leaves_nothing
             if proc is not None and proc.poll() is None:
                 proc.kill()
         netbed.down(prefix)
+
+
+def test_a_host_given_half_a_core_gets_half_a_core(bed):
+    """The straggler of docs/scaling.md: every process started on the host shares its quota."""
+    limited = netbed.set_cpu(bed, 2, 0.5)
+    try:
+        spinner = subprocess.run(limited.host_command(2, [sys.executable, PROBE, "spin", "1.5"]), capture_output=True,
+                                 text=True, timeout=60, check=True)
+        stat = dict(line.split() for line in open(os.path.join(limited.hosts[2].cpu_cgroup, "cpu.stat")))
+    finally:
+        unlimited = netbed.set_cpu(bed, 2, None)
+    # CPU seconds per wall second of a busy loop: the quota's 0.5 (the machine has two cores), held there by the
+    # quota: the cgroup was throttled in a third or more of the ~150 periods of 10 ms. (What another host gets
+    # beside it depends on what else runs; another test's processes may.)
+    assert 0.3 < float(spinner.stdout) < 0.6 and int(stat["nr_throttled"]) > 50, (spinner.stdout, stat)
+    cgroup = unlimited.hosts[2].cpu_cgroup  # and lifted again: cgroup v1's quota -1, or v2's "max PERIOD"
+    quota_file = next(f for f in ("cpu.cfs_quota_us", "cpu.max") if os.path.exists(os.path.join(cgroup, f)))
+    with open(os.path.join(cgroup, quota_file)) as f:
+        assert f.read().split()[0] in ("-1", "max")
 
 
 def test_the_launcher_refuses_a_missing_bed_and_more_workers_than_hosts(bed, tmp_path):
@@ -226,3 +248,20 @@ def test_bench_netbed_measures_both_modes_beside_the_prediction(tmp_path):
     assert 0 < row["predicted_one_message"] <= 1 and 0 < row["predicted_buckets"] <= 1
     assert "| 100 Mbit/s |" in result.stdout and "Ceiling (two 1-worker runs side by side" in result.stdout
     assert netbed.leftovers(prefix) == []  # the sweep took its bed down
+
+
+def test_the_straggler_sweep_measures_and_predicts_each_rate(tmp_path):
+    """tools/netbed_sweep.py --straggler_cpu shrunk to one round at one rate: the table's shape, not its figures."""
+    prefix = f"tfq{os.getpid() % 100000}"
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "netbed_sweep.py"), "--straggler_cpu=0.5",
+                             "--rates_mbit=100", "--rounds=1", "--num_batches=3", "--num_warmup_batches=1",
+                             "--allreduce_max_bytes=262144", f"--workdir={tmp_path}", f"--prefix={prefix}"],
+                            cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    (row,) = report["rows"]
+    assert row["rate_mbit"] == 100 and len(row["efficiency"]) == len(report["straggler_shares"]) == 1
+    assert all(0 < e < 1.5 for e in (*row["efficiency"], *report["straggler_shares"]))
+    assert 0 < row["predicted_spread_term"] <= 1 and 0 < row["predicted_slowest_gpu"] <= 1
+    assert "| 100 Mbit/s |" in result.stdout and "The straggler alone runs at" in result.stdout
+    assert netbed.leftovers(prefix) == []  # the sweep took its bed down, the straggler's cgroup with it
