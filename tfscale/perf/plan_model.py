@@ -72,6 +72,10 @@ class System:
     # Stragglers: the spread of one GPU's step time, sigma / mean (0: not modelled). From tfscale-bench on
     # this GPU: (p90 - p50) / (1.2816 p50), a normal distribution's p90 lying 1.2816 sigma above its median.
     step_time_cv: float = 0.0
+    # A straggler: the images/sec of one GPU (or node) that is slower every step, not now and then (an older card,
+    # a throttled or shared node; 0: none). A synchronous step waits for it whatever the others' spread, which a
+    # spread of independent draws cannot express (docs/scaling.md, "A straggler on the bed").
+    slowest_gpu_images_per_sec: float = 0.0
     # The update: what launching one GPU kernel outside XLA costs (CUDA's launch latency, a few microseconds;
     # a small elementwise kernel takes about as long to run), paid by each op of an update Keras applies
     # variable by variable (Workload.update_ops).
@@ -316,6 +320,8 @@ def predict_point(workload: Workload, system: System, num_gpus: int) -> dict:
     batch = workload.per_gpu_batch
     # The mean step's compute, or with stragglers the slowest GPU's (each GPU's time drawn independently).
     compute_s = batch / system.gpu_images_per_sec * (1 + system.step_time_cv * slowest_of(num_gpus))
+    if num_gpus > 1 and system.slowest_gpu_images_per_sec:
+        compute_s = max(compute_s, batch / system.slowest_gpu_images_per_sec)
     allreduce_total_s, exposed_s = exposed_allreduce_s(workload, system, num_gpus, compute_s)
     input_s = batch / input_images_per_sec(system, num_gpus)
     update_s = workload.update_ops * system.op_launch_us * 1e-6
