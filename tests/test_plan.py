@@ -10,7 +10,7 @@ import re
 import pytest
 from conftest import REPO, load_config, run_cli
 
-from tfscale.perf import allreduce_bench, plan, plan_model
+from tfscale.perf import allreduce_bench, plan, plan_band, plan_model
 from tfscale.perf.plan_model import System, Workload
 
 SYSTEM = System(name="test", gpus_per_node=4, gpu_images_per_sec=400.0, intra_node_GBps=12.0,
@@ -227,6 +227,18 @@ def test_stragglers_the_step_waits_for_the_slowest_gpu():
     assert plan_model.predict_point(w, spread, 1)["compute_ms"] == steady["compute_ms"] == pytest.approx(160.0)
 
 
+def test_a_persistently_slower_gpu_sets_every_steps_pace():
+    w = workload(overlap="none")
+    slow = dataclasses.replace(SYSTEM, slowest_gpu_images_per_sec=0.7 * SYSTEM.gpu_images_per_sec)
+    steady = plan_model.predict_point(w, SYSTEM, 16)
+    assert plan_model.predict_point(w, slow, 16)["compute_ms"] == pytest.approx(steady["compute_ms"] / 0.7)
+    assert plan_model.predict_point(w, slow, 1)["compute_ms"] == steady["compute_ms"]  # the reference: a normal GPU
+    # A spread whose expected slowest draw is slower still decides instead.
+    spread = dataclasses.replace(slow, step_time_cv=1.0)
+    assert plan_model.predict_point(w, spread, 16)["compute_ms"] == pytest.approx(
+        steady["compute_ms"] * (1 + plan_model.slowest_of(16)))
+
+
 def test_the_spread_comes_from_a_benchmark_report(tmp_path):
     report = {"total_images_per_sec": 250.0, "num_replicas": 1,
               "per_worker": [{"rank": 0, "median_step_ms": 100.0, "p90_step_ms": 106.4, "p99_step_ms": 110.0}]}
@@ -271,6 +283,53 @@ def test_a_system_file_with_an_unknown_field_is_named(tmp_path):
         plan.load_system(str(path))
 
 
+def test_the_bands_errors_are_the_published_comparisons():
+    """plan_band.PUBLISHED is the error column of docs/scaling.md's comparison (which a test keeps equal to
+    `tfscale-plan --published`), calibration runs left out, in order."""
+    doc = open(os.path.join(REPO, "docs", "scaling.md")).read()
+    begin = doc.index("<!-- tfscale-plan --published: begin -->")
+    rows = re.findall(r"^\| (\w+) \| \w+ \| \d+ \| (\d+) \| [\d.]+ \| [\d.]+ \| ([+-]\d+\.\d) \|$",
+                      doc[begin:doc.index("<!-- tfscale-plan --published: end -->")], re.MULTILINE)
+    assert len(rows) == 38
+    assert plan_band.PUBLISHED == tuple((system, int(gpus), float(error)) for system, gpus, error in rows)
+
+
+def test_the_bands_bed_errors_are_the_bed_tables():
+    """plan_band.BED is the one-message and buckets errors of docs/scaling.md's bed tables, MWMS then Horovod,
+    then the straggler tables' errors of the planner told of the slowest GPU."""
+    doc = open(os.path.join(REPO, "docs", "scaling.md")).read()
+    section = doc[doc.index("## Checked on a test bed of two hosts"):doc.index("## The scaling sweep on your cluster")]
+    rows = re.findall(r"^\| (?:\d+ Mbit/s|unshaped) \|.* \| ([+-]\d+\.\d) / ([+-]\d+\.\d) / [+-]\d+\.\d \|$", section,
+                      re.MULTILINE)
+    assert len(rows) == 8
+    errors = [float(e) for row in rows for e in row]
+    straggler = re.findall(r"^\| (?:\d+ Mbit/s|unshaped) \|.* \| [+-]\d+\.\d / ([+-]\d+\.\d) \|$", section, re.MULTILINE)
+    assert len(straggler) == 8
+    assert plan_band.BED == tuple((group, 2, e) for group, chunk in (
+        ("netbed_mwms", errors[:8]), ("netbed_horovod", errors[8:]), ("netbed_straggler", map(float, straggler)))
+        for e in chunk)
+
+
+def test_the_band_is_the_errors_middle_80_percent_and_widens_past_the_largest_run_checked():
+    points = [("a", 8, float(e)) for e in range(-10, 11) if e] + [("b", 64, 0.0)]  # 21 errors, -10 .. +10
+    band = plan_band.band_from(points)
+    assert (band.low_error_points, band.high_error_points, band.max_checked_gpus) == (-8.0, 8.0, 64)
+    # An optimistic planner (error > 0) has its band below its prediction.
+    assert band.around(0.9, 64) == pytest.approx((0.82, 0.98))
+    assert band.around(0.9, 256) == pytest.approx((0.66, 1.0))  # two doublings past 64: three times as wide
+    assert band.holds(64, 7.9) and not band.holds(64, 8.1) and band.holds(128, 15.9) and not band.holds(128, 16.1)
+    rows = plan_band.attach([{"gpus": 1, "efficiency": 1.0}, {"gpus": 32, "efficiency": 0.9}], band)
+    assert rows[0]["efficiency_band"] == (1.0, 1.0) and rows[1]["efficiency_band"] == pytest.approx((0.82, 0.98))
+
+
+def test_each_group_held_out_is_checked_against_the_band_of_the_others():
+    points = [("a", 8, e) for e in (-1.0, 0.0, 1.0, 2.0)] + [("b", 8, e) for e in (0.5, 1.5)] + [("c", 16, 9.0)]
+    rows = {r["group"]: r for r in plan_band.held_out(points)}
+    assert rows["c"]["band"] == plan_band.band_from(points[:6]) and rows["c"]["widened"] == 1
+    assert rows["c"]["inside"] == 0  # 9 points off, where a band of about -0.5..+1.8, doubled, reaches 3.6
+    assert (rows["a"]["points"], rows["b"]["points"]) == (4, 2)
+
+
 @pytest.mark.slow
 def test_plan_prints_the_table_for_the_32_gpu_recipe_on_the_p100_cluster(tmp_path):
     result = run_cli("tfscale.perf.plan", "--config=r50_32gpu", "--system=p100_ib_4gpu", f"--output_dir={tmp_path}")
@@ -282,6 +341,10 @@ def test_plan_prints_the_table_for_the_32_gpu_recipe_on_the_p100_cluster(tmp_pat
     assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16, 32, 64]
     written = json.loads((tmp_path / "plan.json").read_text())
     assert [r["gpus"] for r in written["rows"]] == [1, 2, 4, 8, 16, 32, 64]
+    # Each prediction carries its band, printed beside it: "0.81-0.97" under "80% band".
+    for printed, row in zip(rows[1:], written["rows"][1:]):
+        low, high = row["efficiency_band"]
+        assert low < row["efficiency"] < high and printed[6] == f"{low:.2f}-{high:.2f}", (printed, row)
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
@@ -303,6 +366,6 @@ def test_the_comparison_in_docs_scaling_md_is_what_the_command_prints():
     begin, end = "<!-- tfscale-plan --published: begin -->\n", "<!-- tfscale-plan --published: end -->"
     committed = doc[doc.index(begin) + len(begin):doc.index(end)].strip()
     assert committed == result.stdout.strip(), "regenerate docs/scaling.md's table with `tfscale-plan --published`"
-    summary = committed.splitlines()[-1]
+    summary = next(line for line in committed.splitlines() if "median absolute error" in line)
     median, worst = map(float, re.search(r"median absolute error (\d+\.\d) .*worst (\d+\.\d)", summary).groups())
     assert math.isfinite(median) and median <= worst

@@ -6,9 +6,10 @@
     tfscale-plan --config=r50_32gpu:amp --system=a100_ib_200g --gpus=32,256 --parts   # each part of the step
     tfscale-plan --published        # the model beside every published run it is checked against (docs/scaling.md)
 
-Prints a table per GPU count (images/sec, per GPU, speedup, efficiency against 1 GPU and against one
-node, step and all-reduce time, whether input bounds it, the wall time of the config's epochs) and
-writes plan.json and plan.png to --output_dir. The model itself: tfscale.perf.plan_model.
+Prints a table per GPU count (images/sec, per GPU, speedup, efficiency against 1 GPU with its 80 % band
+(tfscale.perf.plan_band: the planner's errors on the runs it was checked against) and against one node,
+step and all-reduce time, whether input bounds it, the wall time of the config's epochs) and writes
+plan.json and plan.png to --output_dir. The model itself: tfscale.perf.plan_model.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import sys
 
 from tfscale import cli, errors, io
-from tfscale.perf import scaling
+from tfscale.perf import plan_band, scaling
 from tfscale.perf.plan_model import System, Workload, best_bucket_bytes, default_gpu_counts, keras_update_ops, predict
 
 # --- systems from files and measurements -----------------------------------------------------------------------
@@ -107,15 +108,21 @@ def model_layers(cfg) -> tuple[list[tuple[int, int]], int, int]:
 
 def table(rows: list[dict], epochs: float) -> str:
     lines = [f"{'GPUs':>5} {'nodes':>5} {'images/sec':>11} {'per GPU':>8} {'speedup':>8} {'eff(1 GPU)':>10} "
-             f"{'eff(node)':>9} {'step ms':>8} {'all-red ms':>10} {'exposed':>8} {'NCCL':>5} {'input':>6} {'eval+ckpt':>9} "
+             f"{'80% band':>11} {'eff(node)':>9} {'step ms':>8} {'all-red ms':>10} {'exposed':>8} {'NCCL':>5} {'input':>6} {'eval+ckpt':>9} "
              f"{f'{epochs:g} epochs':>11}"]
     for r in rows:
         lines.append(f"{r['gpus']:>5} {r['nodes']:>5} {r['images_per_sec']:>11.1f} {r['per_gpu_images_per_sec']:>8.1f} "
-                     f"{r['speedup']:>8.2f} {r['efficiency']:>10.3f} {r['efficiency_vs_node']:>9.3f} "
+                     f"{r['speedup']:>8.2f} {r['efficiency']:>10.3f} {band(r):>11} {r['efficiency_vs_node']:>9.3f} "
                      f"{r['step_ms']:>8.1f} {r['allreduce_ms']:>10.1f} {r['exposed_ms']:>8.1f} {r['nccl_algorithm']:>5} "
                      f"{'BOUND' if r['input_bound'] else 'ok':>6} {100 * r['eval_checkpoint_share']:>8.1f}% "
                      f"{r['hours_for_epochs']:>9.1f} h")
     return "\n".join(lines)
+
+
+def band(row: dict) -> str:
+    """The row's efficiency band (tfscale.perf.plan_band), or "-" without one (1 GPU)."""
+    low, high = row.get("efficiency_band", (1.0, 1.0))
+    return "-" if row["gpus"] == 1 else f"{low:.2f}-{high:.2f}"
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -202,12 +209,17 @@ def measured_overrides(benchmark_json: str, allreduce_json: str, workload: Workl
         overrides["gpu_images_per_sec"] = report["total_images_per_sec"]
         worker = report["per_worker"][0]
         if worker.get("p90_step_ms"):  # the GPU's step-time spread: what stragglers cost at N GPUs
-            overrides["step_time_cv"] = max(0.0, worker["p90_step_ms"] / worker["median_step_ms"] - 1) / 1.2816
+            overrides["step_time_cv"] = step_time_cv(worker["p90_step_ms"], worker["median_step_ms"])
     if allreduce_json:
         report = _read_report(allreduce_json, "allreduce")
         bandwidth, latency = link_from_allreduce(report["allreduce"], report["num_replicas"])
         overrides.update(intra_node_GBps=bandwidth, intra_node_latency_us=latency)
     return overrides
+
+
+def step_time_cv(p90_ms: float, median_ms: float) -> float:
+    """System.step_time_cv from a step-time distribution's p90 and median: a normal's p90 is 1.2816 sigma above."""
+    return max(0.0, p90_ms / median_ms - 1) / 1.2816
 
 
 def _check_same_step(path: str, report: dict, workload: Workload) -> None:
@@ -235,12 +247,14 @@ def run_plan(cfg, flags_) -> list[dict]:
     overrides = measured_overrides(flags_.benchmark_json, flags_.allreduce_json, workload)
     if flags_.gpu_images_per_sec:
         overrides["gpu_images_per_sec"] = flags_.gpu_images_per_sec
+    if flags_.slowest_gpu_images_per_sec:
+        overrides["slowest_gpu_images_per_sec"] = flags_.slowest_gpu_images_per_sec
     system = dataclasses.replace(system, **overrides)
     if system.gpu_images_per_sec <= 0:
         raise ValueError(f"no one-GPU images/sec for {workload.model} at {workload.per_gpu_batch} per GPU on "
                          f"{system.name}: give --gpu_images_per_sec, or --benchmark_json from a one-GPU tfscale-bench run")
     counts = [int(n) for n in flags_.gpus] or default_gpu_counts(system.gpus_per_node, flags_.max_gpus)
-    rows = predict(workload, system, counts)
+    rows = plan_band.attach(predict(workload, system, counts))
     title = describe(workload, system)
     print(f"tfscale-plan: {title}")
     if flags_.parts:
@@ -266,6 +280,8 @@ def main(argv) -> None:
     values = flags.FLAGS
     if values.published:
         print(plan_published.markdown(plan_published.compare()))
+        print()
+        print(plan_band.markdown(plan_band.held_out()))
         return
     if values.config is None:
         raise app.UsageError("--config is required (or --published)")
@@ -288,6 +304,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("per_gpu_batch", 0, "Images per GPU (default: the config's max_per_replica_batch_size, "
                          "else its global batch).")
     flags.DEFINE_float("gpu_images_per_sec", 0.0, "One GPU's images/sec at that batch (overrides the system's).")
+    flags.DEFINE_float("slowest_gpu_images_per_sec", 0.0, "The images/sec of a GPU or node of the job that is slower "
+                       "every step (tfscale-bench on it): every step waits for it.")
     flags.DEFINE_string("benchmark_json", "", "A one-GPU tfscale-bench benchmark.json: its images/sec.")
     flags.DEFINE_string("allreduce_json", "", "A tfscale-bench allreduce benchmark.json: the link between GPUs.")
     flags.DEFINE_string("output_dir", "", "Write plan.json and plan.png here.")
