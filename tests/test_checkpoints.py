@@ -5,7 +5,12 @@ kill -9 during an asynchronous write, preemption and a full disk are walked thro
 tests/test_reliability.py (the default saves asynchronously).
 """
 
+import glob
 import os
+import subprocess
+import sys
+import tempfile
+import types
 
 import keras
 import numpy as np
@@ -77,3 +82,59 @@ def test_a_failed_asynchronous_write_is_named_by_the_next_wait(tmp_path):
         directory = layout.checkpoints(str(disk))
         assert [os.path.basename(p) for p in checkpoints.listed_checkpoints(directory)] == ["ckpt-1"]
         assert not [name for name in os.listdir(directory) if name.startswith("ckpt-2")]
+
+
+def test_a_non_chief_worker_keeps_one_scratch_checkpoint_and_a_gone_workers_scratch_is_removed(tmp_path, monkeypatch):
+    """Collective saving makes every MWMS worker write; the others' copies go to $TMPDIR (RAM on many nodes)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # tempfile.gettempdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"{checkpoints.SCRATCH_PREFIX}{gone.pid}_abc"  # a killed worker's, never closed
+    stale.mkdir()
+    (stale / "ckpt-7.index").write_text("left behind")
+    running = tmp_path / f"{checkpoints.SCRATCH_PREFIX}{os.getppid()}_def"  # a live process's: kept
+    running.mkdir()
+    cluster = distribute.setup(load_config("smoke").distribute)
+    worker = types.SimpleNamespace(strategy=cluster.strategy, is_chief=False, saving_is_collective=True,
+                                   broadcast_from_chief=lambda state: None)
+    model, optimizer = build(cluster)
+    workdir = tmp_path / "work"
+    ckpts = checkpoints.Checkpoints(str(workdir), worker, model=model, optimizer=optimizer, max_to_keep=5)
+    assert not stale.exists() and running.exists()
+    (scratch,) = glob.glob(str(tmp_path / f"{checkpoints.SCRATCH_PREFIX}{os.getpid()}_*"))
+    for step in (1, 2, 3):
+        ckpts.step.assign(step)
+        ckpts.save(step)
+    assert [os.path.basename(p) for p in checkpoints.listed_checkpoints(scratch)] == ["ckpt-3"]
+    assert sorted(os.listdir(scratch)) == ["checkpoint", "ckpt-3.data-00000-of-00001", "ckpt-3.index"]
+    assert not workdir.exists()  # the workdir's checkpoints are the chief's
+    ckpts.close()
+    assert not os.path.exists(scratch)
+
+
+HOST_COPY_PLACEMENT = """
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+from tensorflow.python.util import object_identity  # the map TensorFlow's asynchronous checkpoint passes
+from tfscale.training import checkpoints
+checkpoints._fix_keras_async_copy()
+with tf.device("/CPU:1"):  # stands in for the GPU a variable lives on and the save's device scope
+    variable = keras.Variable(tf.ones([4]))
+    object_map = object_identity.ObjectIdentityDictionary()
+    variable._copy_trackable_to_cpu(object_map)
+    variable._copy_trackable_to_cpu(object_map)  # the second save refreshes the same copies
+print(object_map[variable.value].device)
+print(object_map[variable].device)
+"""
+
+
+def test_asynchronous_saving_keeps_the_keras_variables_host_copy_on_the_host():
+    """TensorFlow puts its copy on CPU:0 of the variable's task; the Keras wrapper's copy goes beside it, not to the
+    device scope the save runs under (a second logical CPU stands in for the GPU)."""
+    result = subprocess.run([sys.executable, "-c", HOST_COPY_PLACEMENT], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    tensorflows, keras_ = result.stdout.split()
+    assert tensorflows.endswith("/device:CPU:0") and keras_ == tensorflows, result.stdout

@@ -7,8 +7,10 @@ callbacks receive it as `logs["global_step"]`). `optimizer.iterations` is not us
 stops when float16 loss scaling skips an update.
 
 Where each worker writes: the chief to `workdir/checkpoints`. Under tf.distribute strategies saving is
-a collective, so the other workers must save at the same moment, into a scratch directory that is
-discarded at the end. A Horovod rank saves (or not) on its own: only the chief does.
+a collective, so the other workers must save at the same moment, into a scratch directory
+($TMPDIR/tfscale_ckpt_<pid>_*, one checkpoint kept: on many nodes /tmp is memory) that is discarded at the end;
+one that a killed worker left behind (its pid gone) is removed when the next run starts. A Horovod rank saves
+(or not) on its own: only the chief does.
 
 Saving is asynchronous by default (`checkpoint.async_save`): TensorFlow copies the state to host memory,
 the step goes on, and a thread writes the files (`tf.train.CheckpointOptions(enable_async=True)`). A save
@@ -63,14 +65,15 @@ class Checkpoints:
         self._writing_step = None  # an asynchronous write not yet waited for
 
     def _make_manager(self, max_to_keep: int) -> tf.train.CheckpointManager | None:
-        """The chief's manager of workdir/checkpoints, a scratch one (collective saving), or None."""
+        """The chief's manager of workdir/checkpoints, a scratch one (collective saving: one kept), or None."""
         if self.cluster.is_chief:
-            directory = self.directory
-        elif self.cluster.saving_is_collective:
-            directory = tempfile.mkdtemp(prefix="tfscale_ckpt_")
-        else:
-            return None
-        return tf.train.CheckpointManager(self._checkpoint, directory, max_to_keep=max_to_keep)
+            return tf.train.CheckpointManager(self._checkpoint, self.directory, max_to_keep=max_to_keep)
+        if self.cluster.saving_is_collective:
+            for stale in remove_stale_scratch():
+                logging.info("removed %s, left by a worker that is gone", stale)
+            directory = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}_")
+            return tf.train.CheckpointManager(self._checkpoint, directory, max_to_keep=1)
+        return None
 
     def restore_or_init(self, init: Callable[[], object]) -> int:
         """Restores the chief's latest checkpoint, or calls `init()` for a fresh run; returns the start step.
@@ -139,6 +142,28 @@ class Checkpoints:
             shutil.rmtree(self._manager.directory, ignore_errors=True)
 
 
+SCRATCH_PREFIX = "tfscale_ckpt_"  # + the writing worker's pid + "_" + mkdtemp's suffix, in tempfile.gettempdir()
+
+
+def remove_stale_scratch(directory: str | None = None) -> list[str]:
+    """Removes this user's scratch checkpoint directories in `directory` (default: the temporary directory) whose
+    worker no longer runs (a kill -9 skips `close`); returns them. A directory whose pid is alive is kept."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    for path in glob.glob(os.path.join(directory, f"{SCRATCH_PREFIX}*_*")):
+        pid = os.path.basename(path)[len(SCRATCH_PREFIX):].split("_")[0]
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except OSError:  # the directory vanished, or the pid is another user's live process
+            continue
+    return removed
+
+
 def _raise_async_error(checkpoint: tf.train.Checkpoint) -> None:
     """Raises what the asynchronous write thread failed with. `Checkpoint.sync()` waits for the thread but
     keeps its error for the next save (tensorflow/python/checkpoint/async_checkpoint_helper.py: `sync` joins
@@ -169,7 +194,10 @@ def _fix_keras_async_copy() -> None:
         if self in object_map:
             object_map[self].assign(object_map[self.value])
         else:
-            object_map[self] = tf.Variable(object_map[self.value])
+            # Beside TensorFlow's host copy: the save's tf.function runs under the accelerator's device scope, where
+            # a second copy of the whole state would take GPU memory.
+            with tf.device(object_map[self.value].device):
+                object_map[self] = tf.Variable(object_map[self.value])
 
     copy_trackable_to_cpu.copies_once = True
     core.Variable._copy_trackable_to_cpu = copy_trackable_to_cpu
