@@ -129,6 +129,37 @@ def test_the_nvidia_device_files_count_gpus_and_the_driver_files_do_not(tmp_path
     assert devices.node_gpu_evidence({"SLURM_GPUS_ON_NODE": "0"}, str(tmp_path / "absent")) == (0, "")
 
 
+def fake_devices_cgroup(root, rules: str):
+    """`root`/proc/self/cgroup naming a job's cgroup v1 device controller, and its devices.list of `rules`."""
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "self" / "cgroup").write_text("11:devices:/slurm/uid_0/job_7/step_0\n4:memory:/slurm\n")
+    rules_file = root / "cgroup" / "devices" / "slurm" / "uid_0" / "job_7" / "step_0" / "devices.list"
+    rules_file.parent.mkdir(parents=True)
+    rules_file.write_text(rules)
+    return str(root / "proc"), str(root / "cgroup")
+
+
+def test_a_slurm_job_counts_only_the_gpus_it_was_given(tmp_path):
+    """/dev/nvidiaN exists on every GPU node: in a Slurm job it says nothing of what the job was given."""
+    dev = fake_dev(tmp_path, "nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl")
+    job = {"SLURM_JOB_ID": "7"}
+    # A job that asked for no GPU: its device cgroup grants none (nvidiactl, 195:255, is no GPU) -> nothing expected.
+    proc, cgroup = fake_devices_cgroup(tmp_path / "cpu_job", "c 1:3 rwm\nc 195:255 rwm\nc 136:* rwm\n")
+    assert devices.node_gpu_evidence(job, dev, proc, cgroup) == (0, "")
+    assert devices.hidden_gpus_problem(0, cuda_build=False, env=job, dev_dir=dev) is None
+    # A site that does not constrain devices ("a *:* rwm"): still nothing to go by but Slurm's variables.
+    proc, cgroup = fake_devices_cgroup(tmp_path / "open", "a *:* rwm\n")
+    assert devices.node_gpu_evidence(job, dev, proc, cgroup) == (0, "")
+    # Granted two GPUs by name: those two count.
+    proc, cgroup = fake_devices_cgroup(tmp_path / "gpu_job", "c 195:255 rwm\nc 195:1 rwm\nc 195:3 rwm\n")
+    assert devices.node_gpu_evidence(job, dev, proc, cgroup) == (
+        2, f"the job's device cgroup grants {dev}/nvidia1, {dev}/nvidia3")
+    # Slurm's own GPU variables and CUDA_VISIBLE_DEVICES naming devices say so directly.
+    assert devices.node_gpu_evidence({**job, "SLURM_JOB_GPUS": "1,3"}, dev) == (2, "SLURM_JOB_GPUS=1,3")
+    assert devices.node_gpu_evidence({**job, "CUDA_VISIBLE_DEVICES": "0"}, dev) == (1, "CUDA_VISIBLE_DEVICES=0")
+    assert devices.node_gpu_evidence({**job, "CUDA_VISIBLE_DEVICES": "-1"}, dev, proc, str(tmp_path / "no")) == (0, "")
+
+
 def test_a_cpu_venv_on_a_gpu_node_is_refused_naming_the_venv_and_tensorflow_cpu(tmp_path):
     dev = fake_dev(tmp_path, "nvidia0")
     problem = devices.hidden_gpus_problem(0, cuda_build=False, env={}, dev_dir=dev, venv="/home/u/tfscale/.venv")

@@ -138,6 +138,7 @@ def test_one_node_four_gpus(tmp_path, shards):
     # No partition/account given: the placeholders stay commented out (sbatch ignores ##SBATCH).
     assert not any("--partition" in line or "--account" in line for line in lines)
     assert "##SBATCH --partition=PARTITION" in text
+    assert re.search(r"^# export CUDA_VISIBLE_DEVICES=-1 ", text, re.M)  # a GPU job keeps its GPUs
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
     assert_shellcheck_clean(tmp_path / "job.sbatch")
 
@@ -202,6 +203,9 @@ def test_cpu_only_tasks_drop_gpu_lines(tmp_path):
     lines = sbatch_lines(text)
     assert "#SBATCH --ntasks-per-node=2" in lines and "#SBATCH --cpus-per-task=1" in lines
     assert not [line for line in lines if "gpu" in line.split("=")[0]]
+    # A CPU job hides the GPUs of a GPU partition's node, so that a GPU venv trains on the CPU as asked.
+    assert re.search(r"^export CUDA_VISIBLE_DEVICES=-1 ", text, re.M)
+    assert_shellcheck_clean(tmp_path / "job.sbatch")
 
 
 def test_gpus_per_task_request(tmp_path, shards):

@@ -332,9 +332,20 @@ def render_edit_block(lines: list[str], values: dict[str, str]) -> list[str]:
     return out
 
 
-def render(template: str, options: dict[str, str | None], values: dict[str, str]) -> str:
+CPU_JOB_LINE = "# export CUDA_VISIBLE_DEVICES=-1"
+
+
+def render_cpu_job(lines: list[str]) -> list[str]:
+    """A CPU job (--gpus_per_node=0): the template's commented-out CUDA_VISIBLE_DEVICES=-1 export switched on, so that
+    a GPU venv on a GPU partition's node trains on the CPU as asked, not refused for the GPUs the job was not given."""
+    if not any(line.startswith(CPU_JOB_LINE) for line in lines):
+        raise UsageError(f"the template has no '{CPU_JOB_LINE}' line: template and tool disagree")
+    return [line[2:] if line.startswith(CPU_JOB_LINE) else line for line in lines]
+
+
+def render(template: str, options: dict[str, str | None], values: dict[str, str], cpu_job: bool = False) -> str:
     lines = render_edit_block(render_header(template.splitlines(), options), values)
-    return "\n".join(lines) + "\n"
+    return "\n".join(render_cpu_job(lines) if cpu_job else lines) + "\n"
 
 
 def check_bash_syntax(path: str) -> None:
@@ -400,7 +411,8 @@ def make_script(argv: list[str]) -> tuple[str, str]:
         except UsageError as err:
             raise UsageError(f"study {args.study}, cell {cell}: {err}" if cell else str(err)) from err
     with open(TEMPLATES[args.backend]) as f:
-        text = render(f.read(), sbatch_options(args, tasks, num_runs), edit_values(args, overrides))
+        text = render(f.read(), sbatch_options(args, tasks, num_runs), edit_values(args, overrides),
+                      cpu_job=not args.gpus_per_node)
     path = args.output or f"tfscale-{job_stem(args)}-{args.backend}-{args.nodes}x{tasks}.sbatch"
     with open(path, "w") as f:
         f.write(text)

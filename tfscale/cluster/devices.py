@@ -89,26 +89,66 @@ def horovod_host_copy_warning(num_gpus: int, nccl_built: Any) -> str | None:
 CPU_ON_PURPOSE = ("", "-1")
 
 
-def node_gpu_evidence(env: Mapping[str, str] | None = None, dev_dir: str = "/dev") -> tuple[int, str]:
-    """(GPUs this task should have, what says so) whatever TensorFlow sees; (0, "") when nothing does.
+NVIDIA_MAJOR = 195  # the NVIDIA driver's character device major: /dev/nvidiaN is 195:N (195:255 is nvidiactl)
 
-    Slurm's count of the task's GPUs first (SLURM_GPUS_ON_NODE, set with --gpus*/--gres=gpu), else the
-    NVIDIA driver's device files (/dev/nvidia0, /dev/nvidia1, ...; /dev/nvidiactl and /dev/nvidia-uvm are
-    not GPUs). `dev_dir` lets tests stand in a node's /dev.
+
+def node_gpu_evidence(env: Mapping[str, str] | None = None, dev_dir: str = "/dev", proc: str = "/proc",
+                      cgroup_root: str = "/sys/fs/cgroup") -> tuple[int, str]:
+    """(GPUs this task was given, what says so) whatever TensorFlow sees; (0, "") when nothing does.
+
+    Slurm's GPU variables first (SLURM_GPUS_ON_NODE, set with --gpus*/--gres=gpu; SLURM_JOB_GPUS), then
+    CUDA_VISIBLE_DEVICES naming devices. Outside a Slurm job, the NVIDIA driver's device files (/dev/nvidia0, ...;
+    /dev/nvidiactl and /dev/nvidia-uvm are not GPUs). Inside one those files exist on every GPU node whatever the
+    job asked for, so a job counts them only where its device cgroup grants them (cgroup v1's devices.list). A
+    job that asked for no GPU on a GPU partition has none. `dev_dir`, `proc`, `cgroup_root`: a node's, for tests.
     """
     env = os.environ if env is None else env
     for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
         count = env.get(key, "")
         if count.isdigit() and int(count) > 0:
             return int(count), f"{key}={count}"
+    for key in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
+        if env.get(key, "").strip():
+            return len(env[key].split(",")), f"{key}={env[key]}"
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible not in CPU_ON_PURPOSE:
+        return len(visible.split(",")), f"CUDA_VISIBLE_DEVICES={visible}"
     try:
         names = sorted(n for n in os.listdir(dev_dir) if n.startswith("nvidia") and n[len("nvidia"):].isdigit())
     except OSError:
         return 0, ""
+    if "SLURM_JOB_ID" in env:
+        granted = cgroup_granted_gpus(proc, cgroup_root)
+        names = [n for n in names if int(n[len("nvidia"):]) in granted]
+        if not names:
+            return 0, ""
+        shown = ", ".join(os.path.join(dev_dir, n) for n in names)
+        return len(names), f"the job's device cgroup grants {shown}"
     if not names:
         return 0, ""
     shown = os.path.join(dev_dir, names[0]) + (f" .. {names[-1]}" if len(names) > 1 else "")
     return len(names), f"{len(names)} NVIDIA device file(s), {shown}"
+
+
+def cgroup_granted_gpus(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> set[int]:
+    """The /dev/nvidiaN minors this process's cgroup v1 device controller grants by name ("c 195:N rwm"); an empty
+    set where it grants every device ("a *:* rwm", a site not constraining devices), or cannot be read (cgroup v2
+    keeps the rules in eBPF)."""
+    try:
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            path = next(line.split(":", 2)[2].strip() for line in f if line.split(":", 2)[1] == "devices")
+        with open(os.path.join(cgroup_root, "devices", path.lstrip("/"), "devices.list")) as f:
+            rules = f.read().split("\n")
+    except (OSError, StopIteration, IndexError):
+        return set()
+    granted = set()
+    for rule in rules:
+        kind, _, rest = rule.partition(" ")
+        device = rest.split(" ")[0]
+        major, _, minor = device.partition(":")
+        if kind == "c" and major == str(NVIDIA_MAJOR) and minor.isdigit() and int(minor) < 255:
+            granted.add(int(minor))
+    return granted
 
 
 def hidden_gpus_problem(num_seen: int, cuda_build: bool, env: Mapping[str, str] | None = None,
