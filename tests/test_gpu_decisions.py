@@ -301,6 +301,24 @@ def test_sync_bn_inside_an_xla_step_on_cpu_replicas_is_refused_before_anything_i
     assert not os.path.exists(tmp_path / "run" / layout.CONFIG)
 
 
+# --- buckets that cannot overlap ----------------------------------------------------------------------------
+
+
+def test_buckets_that_cannot_overlap_are_warned_of_and_negative_ones_refused(caplog):
+    assert validation.bucket_warning(load_config("smoke", "--config.distribute.pack_bytes=65536")) is None
+    assert validation.bucket_warning(load_config("smoke", "--config.jit_compile=True")) is None  # one message
+    xla = load_config("smoke", "--config.distribute.pack_bytes=65536", "--config.jit_compile=True")
+    with caplog.at_level("WARNING"):
+        validation.validate(xla)
+    assert ("config.distribute.pack_bytes=65536 with config.jit_compile=True: XLA computes every gradient at once"
+            in caplog.text)
+    sync_bn = validation.bucket_warning(load_config("smoke", "--config.distribute.pack_bytes=65536",
+                                                    "--config.model.sync_bn=True", "--config.distribute.backend=mwms"))
+    assert "first bucket waits for the backward pass's synchronized BatchNorm all-reduces" in sync_bn
+    with pytest.raises(ConfigError, match=r"config.distribute.pack_bytes must be >= 0 .*got -1"):
+        validation.validate(load_config("smoke", "--config.distribute.pack_bytes=-1"))
+
+
 # --- float16 on Horovod's wire ------------------------------------------------------------------------------
 
 

@@ -145,6 +145,11 @@ def test_the_config_says_whether_its_buckets_overlap():
                                      layers=layers).overlap == "buckets"
     assert plan.workload_from_config(load_config("r50_32gpu:xla", "--config.distribute.pack_bytes=4194304"),
                                      layers=layers).overlap == "none"
+    # MWMS with synchronized BatchNorm: the first bucket waits for the backward pass's BatchNorm all-reduces.
+    sync_bn = ("--config.distribute.pack_bytes=4194304", "--config.model.sync_bn=True")
+    assert plan.workload_from_config(load_config("r50_32gpu", *sync_bn), layers=layers).overlap == "none"
+    assert plan.workload_from_config(load_config("r50_32gpu", *sync_bn, "--config.distribute.backend=horovod",
+                                                 "--config.model.sync_bn=False"), layers=layers).overlap == "buckets"
 
 
 def test_the_best_bucket_size_exposes_no_more_than_any_other():

@@ -21,6 +21,7 @@ import os
 import sys
 
 from tfscale import cli, errors, io
+from tfscale.config import validation
 from tfscale.perf import plan_band, scaling
 from tfscale.perf.plan_model import System, Workload, best_bucket_bytes, default_gpu_counts, keras_update_ops, predict
 
@@ -65,8 +66,10 @@ def workload_from_config(cfg, per_gpu_batch: int | None = None, layers=None, bat
     backend = cfg.distribute.backend
     # The step sends its gradients in buckets of pack_bytes, each as soon as it is full (both backends), unless
     # XLA computes every gradient at once (jit_compile) or pack_bytes=0 makes one message after the backward
-    # pass. Horovod fuses a message up to HOROVOD_FUSION_THRESHOLD (128 MiB by default).
-    bucketed = bool(cfg.distribute.pack_bytes) and not cfg.jit_compile
+    # pass, or MWMS with synchronized BatchNorm holds the first bucket until the backward pass's BatchNorm
+    # all-reduces have run (config.validation.bucket_warning). Horovod fuses a message up to
+    # HOROVOD_FUSION_THRESHOLD (128 MiB by default).
+    bucketed = bool(cfg.distribute.pack_bytes) and not validation.bucket_warning(cfg)
     fusion = cfg.distribute.pack_bytes or ((cfg.distribute.horovod_fusion_bytes or 128 << 20) if backend == "horovod" else 0)
     return Workload(
         model=cfg.model.name,
