@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 from PIL import Image
+from test_topology import fake_node
 
 from tfscale.cluster import distribute
 from tfscale.launch import netbed
@@ -86,8 +87,12 @@ class Slurm:
         assert result.returncode == 0, f"{' '.join(command)}: {result.stderr}"
         return result.stdout
 
-    def submit(self, script) -> int:
-        return int(self.run("sbatch", "--parsable", str(script)).strip().split(";")[0])
+    def submit(self, script, **env) -> int:
+        """sbatch `script`, the job's environment this testbed's plus `env`; returns the job id."""
+        result = subprocess.run(["sbatch", "--parsable", str(script)], env={**self.env, **env}, capture_output=True,
+                                text=True, timeout=30)
+        assert result.returncode == 0, f"sbatch {script}: {result.stderr}"
+        return int(result.stdout.strip().split(";")[0])
 
     def runs(self, job_id: int) -> list[tuple[str, str]]:
         """(state, exit code) of each finished run of the job, from the job-completion log (`sacct -c`)."""
@@ -304,13 +309,21 @@ def test_default_ports_of_concurrent_steps_and_neighbouring_jobs_are_disjoint():
 
 @pytest.mark.slow
 def test_mwms_job_two_tasks(slurm, tmp_path):
-    job_id = slurm.submit(make_script(tmp_path, "mwms", *SHORT, "--doctor=gpus,all-reduce"))
+    # The node's sys/ and proc/ as the template's topology command and each task read them: this node's two CPUs as
+    # two NUMA nodes, GPU 0 hanging off NUMA node 1 (CPU 1), GPU 1 off node 0 (CPU 0).
+    fake_node(tmp_path / "node", [("0000:07:00.0", 1), ("0000:87:00.0", 0)], cpu_lists=["0", "1"])
+    job_id = slurm.submit(make_script(tmp_path, "mwms", *SHORT, "--doctor=gpus,all-reduce"),
+                          TFSCALE_TOPOLOGY_ROOT=str(tmp_path / "node"))
     text = assert_completed_once(slurm, tmp_path, job_id)
     # The doctor ran on the node first: gpus needs a GPU (N/A); all-reduce ran two MWMS workers on the node.
     assert "tfscale-doctor on each of 1 nodes" in text
     assert re.search(r"^N/A +gpus +no GPU on this node", text, re.M) and "summary: 1 pass, 0 fail, 1 n/a" in text
     assert re.search(r"^PASS +all-reduce +between 2 processes on this node: 2 workers all-reduced", text, re.M)
-    # srun --cpu-bind=cores: each worker runs on its one core (--cpus-per-task=1) and sizes its threads to it.
+    # Two NUMA nodes: the step ran with --cpu-bind=none and each task bound itself to its GPU's NUMA node, the
+    # reverse of Slurm's order (cores would give task 0 CPU 0); each worker sizes its threads to its one core.
+    assert "topology: --cpu-bind=none: each task binds itself to its GPU's NUMA node" in text
+    assert "topology: local task 0 bound to CPUs 1 (GPU 0's NUMA node 1: 1 of the step's CPUs there" in text
+    assert "topology: local task 1 bound to CPUs 0 (GPU 1's NUMA node 0: 1 of the step's CPUs there" in text
     topology = [line for line in text.splitlines() if "tfscale worker rank=" in line]
     assert len(topology) == 2 and all(line.endswith(" cores=1") for line in topology), topology
     result = summary(tmp_path)
@@ -323,6 +336,38 @@ def test_mwms_job_two_tasks(slurm, tmp_path):
     port = default_port_base(job_id, step_id=1)
     assert f"tfscale cluster from Slurm job {job_id} step 1: workers {host}:{port},{host}:{port + 1}\n" in text
     assert "rank=0/2" in text and "rank=1/2" in text and "backend=mwms" in text
+
+
+PARTIAL_NODE_JOB = """#!/bin/bash
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH --time=00:05:00
+#SBATCH --output={out}/job-%j.out
+cd {repo}
+srun --cpus-per-task=1 --cpu-bind=map_ldom:0 true
+echo "map_ldom step: $?"
+TFSCALE_CPU_BIND=gpu-numa TFSCALE_TOPOLOGY_ROOT={node} srun --cpus-per-task=1 --cpu-bind=none {python} -c '
+import os; from tfscale.cluster import topology; topology.bind_at_start(); print("mask", sorted(os.sched_getaffinity(0)))'
+echo "self-bound step: $?"
+"""
+
+
+def test_map_ldom_cannot_launch_on_part_of_a_node_and_a_task_binding_itself_can(slurm, tmp_path):
+    """Why the templates do not use Slurm's map_ldom: a step holding 1 of the node's 2 CPUs (as 8 tasks of 8 CPUs
+    on a node of 128 do) is refused by slurmd (task/affinity lllp_distribution: "Entire node must be allocated").
+    The same step with --cpu-bind=none starts, Slurm binding it to its one CPU, and the task's own binding keeps to
+    it when its GPU's NUMA node holds none of the step's CPUs."""
+    node = tmp_path / "node"
+    fake_node(node, [("0000:07:00.0", 1)], cpu_lists=["0", "1"])
+    script = tmp_path / "partial.sbatch"
+    script.write_text(PARTIAL_NODE_JOB.format(out=tmp_path, repo=REPO, python=sys.executable, node=node))
+    job_id = slurm.submit(script)
+    text = assert_completed_once(slurm, tmp_path, job_id)
+    assert "Entire node must be allocated for map_ldom" in text and re.search(r"^map_ldom step: [1-9]", text, re.M), text
+    assert "self-bound step: 0" in text, text
+    (mask,) = re.findall(r"^mask \[(\d)\]$", text, re.M)  # one CPU: the step's own, wherever Slurm allocated it
+    near = "CPUs 1 (GPU 0's NUMA node 1" if mask == "1" else "CPUs 0 (NUMA node 1 has 0 of the step's CPUs"
+    assert f"topology: local task 0 bound to {near}" in text, text
 
 
 UNBOUND_JOB = """#!/bin/bash

@@ -17,12 +17,15 @@ DGX_GPUS = [("0000:07:00.0", 0), ("0000:0f:00.0", 0), ("0000:47:00.0", 0), ("000
             ("0000:87:00.0", 1), ("0000:90:00.0", 1), ("0000:b7:00.0", 1), ("0000:bd:00.0", 1)]
 
 
-def fake_node(root, gpus, minors=None, numa_nodes=2,
+def fake_node(root, gpus, minors=None, numa_nodes=2, cpu_lists=None,
               others=(("0000:c4:00.0", "0x068000"), ("0000:00:01.0", "0x060400"))):
-    """`root`/sys and `root`/proc as a node's: NUMA nodes, NVIDIA GPUs (address, numa), an NVSwitch and a bridge
-    that are not GPUs, and the driver's device minor -> address (default: PCI order)."""
+    """`root`/sys and `root`/proc as a node's: NUMA nodes with their CPU lists (default: 64 CPUs each), NVIDIA GPUs
+    (address, numa), an NVSwitch and a bridge that are not GPUs, and the driver's device minor -> address (default:
+    PCI order)."""
     for n in range(numa_nodes):
-        (root / "sys" / "devices" / "system" / "node" / f"node{n}").mkdir(parents=True)
+        node = root / "sys" / "devices" / "system" / "node" / f"node{n}"
+        node.mkdir(parents=True)
+        (node / "cpulist").write_text((cpu_lists[n] if cpu_lists else f"{64 * n}-{64 * n + 63}") + "\n")
     devices = root / "sys" / "bus" / "pci" / "devices"
     for address, numa in gpus:
         d = devices / address
@@ -49,11 +52,69 @@ def test_only_nvidia_gpus_count_in_pci_order_with_their_numa_node(tmp_path):
     assert topology.job_gpu_numa_nodes({}, sysfs, proc) == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
-def test_eight_tasks_on_a_two_socket_node_are_bound_to_their_gpus_numa_nodes(tmp_path):
+def test_eight_tasks_on_a_two_socket_node_bind_themselves_to_their_gpus_numa_nodes(tmp_path):
+    # Not Slurm's map_ldom, which refuses a step that does not hold the whole node (test_slurm reproduces it).
     sysfs, proc = fake_node(tmp_path, DGX_GPUS)
     option, why = topology.cpu_bind(topology.job_gpu_numa_nodes({}, sysfs, proc), 8, topology.numa_node_count(sysfs))
-    assert option == "map_ldom:0,0,0,0,1,1,1,1"
-    assert why.startswith("each task on its GPU's NUMA node (GPU 0 -> NUMA 0, ") and "GPU 7 -> NUMA 1)" in why
+    assert option == "none"
+    assert why.startswith("each task binds itself to its GPU's NUMA node at start, TFSCALE_CPU_BIND=gpu-numa (GPU 0 "
+                          "-> NUMA 0, ") and "GPU 7 -> NUMA 1)" in why
+
+
+def test_cpu_lists_as_sysfs_writes_them():
+    assert topology.parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert topology.format_cpu_list([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+    assert topology.parse_cpu_list("") == []
+
+
+@pytest.mark.parametrize("allowed, cpus_per_task, expected", [
+    # The step holds the whole DGX-like node (2 x 64 CPUs): each of the 4 tasks of a NUMA node gets 16 of its CPUs.
+    (range(128), 0, [list(range(16 * k, 16 * k + 16)) for k in range(8)]),
+    # ... capped at --cpus-per-task.
+    (range(128), 8, [list(range(16 * k, 16 * k + 8)) for k in range(8)]),
+    # A step of 8 x 8 CPUs, Slurm having taken them 32 from each socket: 8 each, all near their GPUs.
+    ([*range(0, 32), *range(64, 96)], 8, [list(range(8 * k, 8 * k + 8)) for k in range(4)]
+     + [list(range(64 + 8 * k, 72 + 8 * k)) for k in range(4)]),
+])
+def test_each_task_gets_cpus_of_its_gpus_numa_node_shared_with_the_tasks_beside_it(allowed, cpus_per_task, expected):
+    cpus_of_node = {0: list(range(64)), 1: list(range(64, 128))}
+    got = [topology.task_cpus(allowed, [0, 0, 0, 0, 1, 1, 1, 1], cpus_of_node, k, 8, cpus_per_task)[0]
+           for k in range(8)]
+    assert got == expected
+    assert all(set(cpus) <= set(cpus_of_node[0 if k < 4 else 1]) for k, cpus in enumerate(got))  # near each GPU
+
+
+def test_a_step_without_cpus_near_a_gpu_shares_out_what_it_has():
+    # 2 tasks, both GPUs on NUMA node 1, but the step's 2 CPUs are on node 0: as --cpu-bind=cores would, one each.
+    cpus_of_node = {0: [0, 1], 1: [2, 3]}
+    (first, why), (second, _) = (topology.task_cpus([0, 1], [1, 1], cpus_of_node, k, 2) for k in range(2))
+    assert (first, second) == ([0], [1]) and "NUMA node 1 has 0 of the step's CPUs" in why
+
+
+def test_this_nodes_task_count_from_slurms_compressed_list():
+    env = {"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}
+    assert topology.tasks_on_this_node(env) == 3
+    assert topology.tasks_on_this_node({**env, "SLURM_NODEID": "1"}) == 4
+    assert topology.tasks_on_this_node({"SLURM_TASKS_PER_NODE": "8"}) == 8
+
+
+def test_a_task_binds_itself_once_near_its_gpu_read_from_its_own_node(tmp_path):
+    # This machine's two CPUs as two NUMA nodes, GPU 0 on node 1: local task 0 goes to CPU 1, in a fresh process,
+    # and a child it starts keeps its mask (the variable says bound).
+    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs CPUs 0 and 1")
+    fake_node(tmp_path, [("0000:07:00.0", 1), ("0000:87:00.0", 0)], cpu_lists=["0", "1"])
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "TFSCALE_CPU_BIND": "gpu-numa",
+           "TFSCALE_TOPOLOGY_ROOT": str(tmp_path), "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "2",
+           "SLURM_NODEID": "0", "SLURM_JOB_GPUS": "0,1"}
+    code = ("import os, subprocess, sys; from tfscale.cluster import topology; topology.bind_at_start(); "
+            "print(sorted(os.sched_getaffinity(0)), os.environ['TFSCALE_CPU_BIND']); "
+            "print(subprocess.run([sys.executable, '-c', 'from tfscale.cluster import topology; "
+            "print(topology.bind_task())'], capture_output=True, text=True).stdout.strip())")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[1] bound", "None"]
+    assert result.stderr.startswith("topology: local task 0 bound to CPUs 1 (GPU 0's NUMA node 1: 1 of the step's CPUs")
 
 
 def test_a_job_holding_some_of_the_gpus_binds_to_those_gpus_numa_nodes(tmp_path):
@@ -63,7 +124,7 @@ def test_a_job_holding_some_of_the_gpus_binds_to_those_gpus_numa_nodes(tmp_path)
     sysfs, proc = fake_node(tmp_path, DGX_GPUS, minors=minors)
     numa = topology.job_gpu_numa_nodes({"SLURM_JOB_GPUS": "0,1"}, sysfs, proc)
     assert numa == [1, 1]
-    assert topology.cpu_bind(numa, 2, topology.numa_node_count(sysfs))[0] == "map_ldom:1,1"
+    assert topology.cpu_bind(numa, 2, topology.numa_node_count(sysfs))[1].endswith("(GPU 0 -> NUMA 1, GPU 1 -> NUMA 1)")
     # A GPU Slurm names that the driver does not know: nothing to bind by.
     assert topology.job_gpu_numa_nodes({"SLURM_JOB_GPUS": "9"}, sysfs, proc) == []
 
@@ -73,8 +134,8 @@ def test_a_job_holding_some_of_the_gpus_binds_to_those_gpus_numa_nodes(tmp_path)
     ([-1, -1], 2, 2, "cores", "the kernel reports no NUMA node"),
     ([], 4, 2, "cores", "no GPU found in sysfs"),
     ([0, 1], 4, 2, "cores", "4 tasks for 2 GPUs"),
-    ([0, 0, 1, 1], 2, 2, "map_ldom:0,0", "GPU 1 -> NUMA 0"),  # 2 tasks on a 4-GPU node use GPUs 0 and 1
-    ([2, 2, 3, 3], 4, 4, "map_ldom:2,2,3,3", "GPU 3 -> NUMA 3"),  # NPS2/NPS4 nodes: more NUMA nodes than sockets
+    ([0, 0, 1, 1], 2, 2, "none", "GPU 1 -> NUMA 0)"),  # 2 tasks on a 4-GPU node use GPUs 0 and 1
+    ([2, 2, 3, 3], 4, 4, "none", "GPU 3 -> NUMA 3)"),  # NPS2/NPS4 nodes: more NUMA nodes than sockets
 ])
 def test_the_binding_follows_the_gpus_numa_nodes_where_the_node_has_several(numa, tasks, node_numa_nodes, option, why):
     chosen, reason = topology.cpu_bind(numa, tasks, node_numa_nodes)
@@ -87,8 +148,8 @@ def test_the_command_the_templates_run_prints_the_option_alone(tmp_path):
                              f"--root={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=60,
                             env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "map_ldom:0,0,0,0,1,1,1,1\n"
-    assert result.stderr.startswith("topology: --cpu-bind=map_ldom:0,0,0,0,1,1,1,1: each task on its GPU's NUMA")
+    assert result.stdout == "none\n"
+    assert result.stderr.startswith("topology: --cpu-bind=none: each task binds itself to its GPU's NUMA node")
     # This machine: no NVIDIA GPU in its sysfs.
     here = subprocess.run([sys.executable, "-m", "tfscale.cluster.topology", "--tasks_per_node=2"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
@@ -108,7 +169,7 @@ def test_the_rendered_script_binds_its_training_step_to_the_gpus_numa_nodes(tmp_
     function = text[text.index("cpu_bind() {"):]
     function = function[: function.index("\n}\n") + 3]
     script = (f'node_python() {{ {sys.executable} "$@" --root={tmp_path}; }}\nPYTHON=node_python\n{function}'
-              'cpu_bind\necho "$CPU_BIND"\n')
+              'cpu_bind\necho "$CPU_BIND $TFSCALE_CPU_BIND"\n')
     result = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
                             env={**os.environ, "SLURM_NTASKS_PER_NODE": "8", "SLURM_NTASKS": "8", "SLURM_NNODES": "1"})
-    assert result.stdout == "map_ldom:0,0,0,0,1,1,1,1\n", result.stderr
+    assert result.stdout == "none gpu-numa\n", result.stderr

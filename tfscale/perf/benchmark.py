@@ -31,10 +31,12 @@ all-reduce run alone on gradient-sized tensors; `update_and_other` = compute - b
 from __future__ import annotations
 
 from tfscale import cli, logs
+from tfscale.cluster import topology
 from tfscale.config import validation
 from tfscale.workdir import layout
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
+topology.bind_at_start()  # a task of the templates' step: near its GPU, before TF sizes its pools from the mask
 
 import json
 import os

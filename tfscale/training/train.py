@@ -13,9 +13,11 @@ loop's schedule. Rerunning with the same workdir resumes from the latest checkpo
 from __future__ import annotations
 
 from tfscale import cli, errors, logs
+from tfscale.cluster import topology
 from tfscale.workdir import layout
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
+topology.bind_at_start()  # a task of the templates' step: near its GPU, before TF sizes its pools from the mask
 
 import json
 import math
