@@ -160,6 +160,32 @@ def test_a_slurm_job_counts_only_the_gpus_it_was_given(tmp_path):
     assert devices.node_gpu_evidence({**job, "CUDA_VISIBLE_DEVICES": "-1"}, dev, proc, str(tmp_path / "no")) == (0, "")
 
 
+def test_cudnn_and_nccl_from_outside_the_venv_are_named(tmp_path):
+    """A site's `module load cudnn nccl` puts its libraries on LD_LIBRARY_PATH, ahead of the wheels' RUNPATH."""
+    venv = tmp_path / "venv"
+    wheel = venv / "lib" / "python3.11" / "site-packages" / "nvidia" / "cudnn" / "lib"
+    site = tmp_path / "sw" / "cudnn-9.1" / "lib"
+    for directory in (wheel, site):
+        directory.mkdir(parents=True)
+        (directory / "libcudnn.so.9").touch()
+    (site / "libnccl.so.2").touch()
+    (site / "libcublas.so.12").touch()  # not one the check names
+    maps = (f"7f00-7f10 r-xp 00000000 08:01 12 {wheel}/libcudnn.so.9\n"
+            f"7f20-7f30 r-xp 00000000 08:01 13 {site}/libnccl.so.2\n"
+            "7f40-7f50 rw-p 00000000 00:00 0 \n")
+    env = {"LD_LIBRARY_PATH": f"{site}::{wheel}"}
+    assert devices.foreign_cuda_libraries(env, maps, str(venv)) == [
+        f"{site}/libnccl.so.2 (loaded)", f"{site}/libcudnn.so.9 (on LD_LIBRARY_PATH)",
+        f"{site}/libnccl.so.2 (on LD_LIBRARY_PATH)"]
+    maps_file = tmp_path / "maps"
+    maps_file.write_text(maps)
+    warning = devices.foreign_cuda_warning(env, str(maps_file), str(venv))
+    assert warning.startswith(f"cuDNN/NCCL from outside the Python environment {venv}: {site}/libnccl.so.2 (loaded)")
+    assert "MPI only" in warning
+    # The venv's own wheels only: nothing to say.
+    assert devices.foreign_cuda_warning({"LD_LIBRARY_PATH": str(wheel)}, str(tmp_path / "none"), str(venv)) is None
+
+
 def test_a_cpu_venv_on_a_gpu_node_is_refused_naming_the_venv_and_tensorflow_cpu(tmp_path):
     dev = fake_dev(tmp_path, "nvidia0")
     problem = devices.hidden_gpus_problem(0, cuda_build=False, env={}, dev_dir=dev, venv="/home/u/tfscale/.venv")

@@ -93,7 +93,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="TFRecord shards on a shared file system (tfrecord configs need it); '' = the config's")
     parser.add_argument("--stage_dir", default="${TMPDIR:-/tmp}/tfscale_data",
                         help="node-local staging directory (expanded on the node); '' reads data_dir in place")
-    parser.add_argument("--modules", default="", help="environment modules to load, e.g. 'cuda/12.4 nccl/2.21'")
+    parser.add_argument("--modules", default="", help="environment modules to load, e.g. 'openmpi/4.1' (a pip venv "
+                        "brings its own CUDA, cuDNN and NCCL: a site's modules of them would shadow the venv's)")
     parser.add_argument("--gloo_iface", default="", help="horovodrun-gloo: network interface (e.g. ib0)")
     parser.add_argument("--program", choices=("train", "benchmark"), default="train",
                         help="what every task runs: tfscale.train, or tfscale.benchmark (its mode from --config.benchmark.mode)")

@@ -27,6 +27,8 @@ import os
 import sys
 from typing import Any, Mapping
 
+from absl import logging
+
 from tfscale.errors import ConfigError
 
 # `distribute.collective_impl` values; AUTO is resolved here, per worker.
@@ -180,14 +182,61 @@ def hidden_gpus_problem(num_seen: int, cuda_build: bool, env: Mapping[str, str] 
             "instead would be ~100x slower; to do it on purpose, set CUDA_VISIBLE_DEVICES=-1")
 
 
+# cuDNN and NCCL, whose pip wheels (nvidia-cudnn-cu12, nvidia-nccl-cu12) TensorFlow finds through its RUNPATH, which
+# LD_LIBRARY_PATH beats: a site's `module load cudnn nccl` puts other builds first.
+CUDA_LIBRARIES = ("libcudnn", "libnccl")
+
+
+def foreign_cuda_libraries(env: Mapping[str, str], maps: str, prefix: str) -> list[str]:
+    """cuDNN or NCCL from outside the Python environment at `prefix`: "PATH (loaded)" for a library this process
+    has mapped (`maps`: /proc/self/maps), "PATH (on LD_LIBRARY_PATH)" for one the loader would find first."""
+    inside = os.path.realpath(prefix) + os.sep
+    found = []
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+        if os.path.basename(path).startswith(CUDA_LIBRARIES) and not os.path.realpath(path).startswith(inside):
+            found.append(f"{path} (loaded)")
+    for directory in env.get("LD_LIBRARY_PATH", "").split(":"):
+        if not directory or os.path.realpath(directory).startswith(inside):
+            continue
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.startswith(CUDA_LIBRARIES) and ".so" in n)
+        except OSError:
+            continue
+        found += [f"{os.path.join(directory, n)} (on LD_LIBRARY_PATH)" for n in names]
+    return list(dict.fromkeys(found))
+
+
+def foreign_cuda_warning(env: Mapping[str, str] | None = None, maps_path: str = "/proc/self/maps",
+                         prefix: str = sys.prefix) -> str | None:
+    """The start-up warning of a CUDA build when `foreign_cuda_libraries` finds any (None: the venv's own only)."""
+    env = os.environ if env is None else env
+    try:
+        with open(maps_path) as f:
+            maps = f.read()
+    except OSError:
+        maps = ""
+    found = foreign_cuda_libraries(env, maps, prefix)
+    if not found:
+        return None
+    return (f"cuDNN/NCCL from outside the Python environment {prefix}: {', '.join(found[:4])}"
+            f"{f' and {len(found) - 4} more' if len(found) > 4 else ''}. LD_LIBRARY_PATH beats the pip wheels' "
+            "RUNPATH, so TensorFlow may load a cuDNN older than it was built with, or skip the GPUs: with a pip venv "
+            "load no cuda/cudnn/nccl module (the job script's MODULES: MPI only)")
+
+
 def require_visible_gpus(env: Mapping[str, str] | None = None) -> None:
-    """Raises ConfigError (`hidden_gpus_problem`) before a worker connects anywhere: what TensorFlow sees."""
+    """Raises ConfigError (`hidden_gpus_problem`) before a worker connects anywhere: what TensorFlow sees. A CUDA
+    build also warns of cuDNN or NCCL from outside the environment (`foreign_cuda_warning`)."""
     import tensorflow as tf
 
     num_seen = len(tf.config.list_physical_devices("GPU"))
     problem = hidden_gpus_problem(num_seen, tf.test.is_built_with_cuda(), env, venv=sys.prefix)
     if problem:
         raise ConfigError(problem)
+    foreign = foreign_cuda_warning(env) if tf.test.is_built_with_cuda() else None
+    if foreign:
+        logging.warning("%s", foreign)
 
 
 def prepare_gpus(local_rank: int | None, host: str = "", api: Any = None) -> list:
