@@ -48,6 +48,7 @@ def test_doctor_on_a_cpu_machine_runs_every_check_and_names_what_needs_a_gpu(tmp
     assert rows["all-reduce"][0] == "PASS"
     assert rows["all-reduce"][1].startswith("between 2 processes on this node: 2 workers all-reduced with AUTO "
                                             "(TensorFlow's rings) on CPU:0: sum 3, expected 3")
+    assert "; the strategy's collectives ran with communication hint AUTO;" in rows["all-reduce"][1]
     # What runs on a CPU runs for real: tfscale's XLA-compiled step and a loss-scaled float16 step.
     assert rows["xla-step"][0] == "PASS" and "(CPU, batch 2 at 64 px)" in rows["xla-step"][1]
     assert rows["float16-step"][0] == "PASS" and "loss scale 32768" in rows["float16-step"][1]
@@ -56,7 +57,8 @@ def test_doctor_on_a_cpu_machine_runs_every_check_and_names_what_needs_a_gpu(tmp
     if horovod_installed:
         assert rows["horovod"][0] == "PASS" and rows["horovod"][1].startswith("Horovod 0.28.1 built with ")
         assert "Gloo" in rows["horovod"][1] and "NCCL matters on GPU nodes: `make horovod-gpu`" in rows["horovod"][1]
-        assert "one hvd.allreduce after hvd.init() (1 rank) on CPU:0: sum 1, expected 1" in rows["horovod"][1]
+        assert ("training's grouped Average of 2 tensors after hvd.init() (1 rank) on CPU:0: means 1, 2, expected "
+                "1, 2" in rows["horovod"][1])
     else:
         assert rows["horovod"][0] == "N/A"
     assert rows["dali"][0] == "N/A" and "read through its TensorFlow plugin" in rows["dali"][1]
@@ -133,6 +135,20 @@ def test_the_all_reduce_check_fails_naming_a_port_another_process_holds():
                              f"exited with 69: tfscale pre-flight: this worker's port {port} (worker 0 at "
                              f"127.0.0.1:{port} in the cluster spec) is already in use by another process")
     assert detail.endswith("worker 1: stopped: a peer failed first, or no answer within the time-out")
+
+
+def test_the_all_reduce_check_judges_what_the_strategy_ran_not_what_the_config_asked():
+    where, detail = "between 2 processes on this node", "2 workers all-reduced ..."
+    # GPU workers whose live strategy ran NCCL: PASS. The config said NCCL, the strategy ran RING (an override that
+    # never reached it): FAIL, naming what ran.
+    assert doctor.all_reduce_verdict(where, detail, "AUTO", "NCCL", "NCCL", 2, False).status == "pass"
+    broken = doctor.all_reduce_verdict(where, detail, "NCCL", "NCCL", "RING", 2, False)
+    assert broken.status == "fail" and "GPU workers ran RING, not NCCL" in broken.detail
+    assert doctor.all_reduce_verdict(where, detail, "AUTO", "NCCL", "", 8, True).status == "fail"
+    # No GPU, or one GPU that two local workers cannot share: rings are what can run.
+    assert doctor.all_reduce_verdict(where, detail, "AUTO", "AUTO", "AUTO", 0, False).status == "pass"
+    one = doctor.all_reduce_verdict(where, detail, "AUTO", "NCCL", "AUTO", 1, False)
+    assert one.status == "pass" and "one GPU cannot serve two NCCL ranks" in one.detail
 
 
 def test_a_gpu_rank_with_a_horovod_built_without_nccl_fails_the_horovod_check():

@@ -2,11 +2,13 @@
 
     python -m tfscale.perf.collective_probe mwms [AUTO|NCCL|RING]   a MultiWorkerMirroredStrategy worker of
                                                       TF_CONFIG, or of the Slurm step it runs in (one per task)
-    python -m tfscale.perf.collective_probe horovod   hvd.init() as training does, then one all-reduce
+    python -m tfscale.perf.collective_probe horovod   hvd.init() as training does, then training's gradient
+                                                      reduction (a grouped Average of 2 tensors)
 
 `distribute.setup` makes the decisions training makes (the GPU of this local rank, NCCL for AUTO, the
 connection time-out, the pre-flight all-reduce); then every worker all-reduces its rank + 1, on its GPU
-where it has one, and checks the sum. The last line of stdout is JSON: {"ok", "detail"}. Anything that
+where it has one, and checks the result. The last line of stdout is JSON: {"ok", "detail", "implementation"
+(what the live strategy runs its all-reduces with)}. Anything that
 fails (a port in use, a worker that does not answer, a CUDA call the driver refuses) ends the process
 with its message on stderr, which the doctor reports.
 """
@@ -39,8 +41,11 @@ def _expected(size: int) -> float:
     return size * (size + 1) / 2  # ranks 0..size-1 each contribute rank + 1
 
 
-def mwms_all_reduce(cluster) -> tuple[float, str]:
-    """Sum of rank + 1 over the workers, and the device each reduced on."""
+def mwms_all_reduce(cluster) -> tuple[list[float], list[float], str, str]:
+    """(got, expected, device, implementation): the sum of rank + 1 over the workers, the device it was reduced
+    on, and the implementation the live strategy hands its collectives: the communication hint of every
+    all-reduce it runs (tensorflow/python/distribute/collective_all_reduce_strategy.py: _communication_options,
+    passed as `communication_hint=options.implementation.value` in cross_device_utils.py, TF 2.21)."""
     strategy = cluster.strategy
 
     @tf.function
@@ -51,16 +56,22 @@ def mwms_all_reduce(cluster) -> tuple[float, str]:
         return strategy.experimental_local_results(strategy.run(replica))
 
     (result,) = reduce()
-    return float(result[0]), result.device
+    options = getattr(strategy.extended, "_communication_options", None)
+    implementation = options.implementation.name if options is not None else "unknown"
+    return [float(result[0])], [_expected(cluster.size)], result.device, implementation
 
 
-def horovod_all_reduce(cluster) -> tuple[float, str]:
-    hvd = horovod_start.import_horovod()
+def horovod_all_reduce(cluster) -> tuple[list[float], list[float], str, str]:
+    """(got, expected, device, implementation) of training's own gradient reduction (`Cluster.reduce_gradients`:
+    a grouped Average, through Horovod's fusion buffer and, on a GPU, its scaling kernels) of two tensors."""
     device = "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
     with tf.device(device):
-        value = tf.fill([1024], tf.cast(cluster.rank + 1, tf.float32))
-        result = hvd.allreduce(value, op=hvd.Sum, name="tfscale_doctor_probe")
-    return float(result[0]), result.device
+        grads = [tf.fill([1024], tf.cast(cluster.rank + 1, tf.float32)),
+                 tf.fill([3, 333], tf.cast(2 * (cluster.rank + 1), tf.float32))]
+        reduced = cluster.reduce_gradients(grads)
+    mean = _expected(cluster.size) / cluster.size
+    got = [float(tf.reshape(value, [-1])[0]) for value in reduced]
+    return got, [mean, 2 * mean], reduced[0].device, cluster.all_reduce
 
 
 # --- the doctor's side: starting probes and reading their verdicts -----------------------------------------
@@ -80,9 +91,15 @@ def _verdict(process: subprocess.Popen, stdout: str, stderr: str) -> tuple[bool,
     return False, f"the probe process {how}: {said[:600]}"
 
 
-def run_probes(envs: list[dict], backend: str, collective_impl: str = "AUTO") -> list[tuple[bool, str]]:
-    """Starts one probe per environment, together; (ok, detail) of each. Once one fails, the others (which
-    would wait for it until their connect time-out) get PEER_GRACE_S, then are stopped."""
+def _implementation(stdout: str) -> str:
+    """The all-reduce implementation a probe's JSON line reports ("" when it reported none)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]).get("implementation", "") if lines else ""
+
+
+def run_probes(envs: list[dict], backend: str, collective_impl: str = "AUTO") -> list[tuple[bool, str, str]]:
+    """Starts one probe per environment, together; (ok, detail, the implementation it ran) of each. Once one
+    fails, the others (which would wait for it until their connect time-out) get PEER_GRACE_S, then are stopped."""
     command = [sys.executable, "-m", "tfscale.perf.collective_probe", backend, collective_impl]
     processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for env in envs]
@@ -98,7 +115,8 @@ def run_probes(envs: list[dict], backend: str, collective_impl: str = "AUTO") ->
             p.kill()
         stdout, stderr = p.communicate()
         ok, detail = _verdict(p, stdout, stderr)
-        results.append((ok, "stopped: a peer failed first, or no answer within the time-out" if stopped else detail))
+        results.append((ok, "stopped: a peer failed first, or no answer within the time-out" if stopped else detail,
+                        _implementation(stdout)))
     return results
 
 
@@ -143,13 +161,15 @@ def probe(backend: str, collective_impl: str = "AUTO") -> dict:
     cfg.distribute.connect_timeout_s = CONNECT_TIMEOUT_S
     start = time.perf_counter()
     cluster = distribute.setup(cfg.distribute)
-    total, device = (mwms_all_reduce if backend == "mwms" else horovod_all_reduce)(cluster)
-    expected = _expected(cluster.size)
+    got, expected, device, implementation = (mwms_all_reduce if backend == "mwms" else horovod_all_reduce)(cluster)
     how = f"{cluster.size} workers all-reduced with {cluster.all_reduce}" if backend == "mwms" else \
-        f"one hvd.allreduce after hvd.init() ({cluster.size} rank)"
-    detail = (f"{how} on {device.split('device:')[-1]}: sum {total:g}, expected {expected:g} "
-              f"({time.perf_counter() - start:.1f} s from start)")
-    return {"ok": total == expected, "detail": detail, "rank": cluster.rank}
+        f"training's grouped Average of 2 tensors after hvd.init() ({cluster.size} rank)"
+    what = "sum" if backend == "mwms" else "means"
+    detail = (f"{how} on {device.split('device:')[-1]}: {what} {', '.join(f'{g:g}' for g in got)}, expected "
+              f"{', '.join(f'{e:g}' for e in expected)} ({time.perf_counter() - start:.1f} s from start)")
+    if backend == "mwms":
+        detail += f"; the strategy's collectives ran with communication hint {implementation}"
+    return {"ok": got == expected, "detail": detail, "rank": cluster.rank, "implementation": implementation}
 
 
 def main(argv: list[str]) -> int:

@@ -16,7 +16,8 @@ checks that compile ResNet-50 (docs/gpu.md gives the time of each mode).
   all-reduce      a real MultiWorkerMirroredStrategy all-reduce through tfscale's start-up: two worker processes
                   on the node (one GPU each; NCCL), or one per node in a Slurm step of several tasks (DOCTOR=all)
   horovod         built with NCCL / MPI / Gloo (a GPU rank without NCCL copies every gradient to the host), and
-                  one all-reduce after hvd.init(), on the GPU where there is one
+                  training's gradient reduction after hvd.init() (a grouped Average of 2 tensors, through the
+                  fusion buffer and its scaling kernels), on the GPU where there is one
   xla-step        one XLA-compiled float32 ResNet-50 training step of tfscale's own step
   float16-step    one mixed_float16 ResNet-50 step: finite loss, finite loss scale
   dali            one batch decoded by DALI on the GPU ("mixed"; CPU decoding shown where there is none)
@@ -177,14 +178,25 @@ def check_all_reduce(gpus: list, configured: str, port_base: int = 0) -> Check:
     else:
         where, envs = "between 2 processes on this node", collective_probe.local_mwms_envs(len(gpus), port_base)
     results = collective_probe.run_probes(envs, "mwms", configured)
-    failed = [f"worker {i}: {detail}" for i, (ok, detail) in enumerate(results) if not ok]
+    failed = [f"worker {i}: {detail}" for i, (ok, detail, _) in enumerate(results) if not ok]
     if failed:
         return Check("all-reduce", FAIL, f"MWMS all-reduce {where} failed: " + "; ".join(failed))
-    status = PASS if chosen == "NCCL" or not gpus else FAIL
-    note = "" if gpus else " (no GPU: TensorFlow's rings; NCCL needs one)"
-    if len(gpus) == 1 and not tasks:
+    return all_reduce_verdict(where, results[0][1], configured, chosen, results[0][2], len(gpus), bool(tasks))
+
+
+def all_reduce_verdict(where: str, detail: str, configured: str, chosen: str, ran: str, num_gpus: int,
+                       in_step: bool) -> Check:
+    """PASS when workers with GPUs ran NCCL: what the live strategy ran (`ran`, from the probe), not what the
+    config asked for (`chosen`), which decides nothing at run time."""
+    note = "" if num_gpus else " (no GPU: TensorFlow's rings; NCCL needs one)"
+    single_gpu = num_gpus == 1 and not in_step
+    if single_gpu:
         note = " (one GPU cannot serve two NCCL ranks: both ran on the CPU)"
-    return Check("all-reduce", status, f"{where}: {results[0][1]}; collective_impl={configured} -> {chosen}{note}")
+    status = PASS if ran == "NCCL" or not num_gpus or single_gpu else FAIL
+    if status == FAIL:
+        note = (f": GPU workers ran {ran or 'an unknown implementation'}, not NCCL (their gradients would go through "
+                "host memory)")
+    return Check("all-reduce", status, f"{where}: {detail}; collective_impl={configured} -> {chosen}{note}")
 
 
 def check_horovod(gpus: list) -> Check:
@@ -201,11 +213,13 @@ def check_horovod(gpus: list) -> Check:
     problem = devices.horovod_host_copy_warning(len(gpus), hvd.nccl_built())
     if problem:
         return Check("horovod", FAIL, f"{detail}: {problem}")
-    # One all-reduce after hvd.init(), on the GPU where there is one: where a build's CUDA runtime that the
-    # driver refuses, or a broken NCCL, shows (the process aborts).
-    ((ok, probe_detail),) = collective_probe.run_probes([collective_probe.horovod_env()], "horovod")
+    # Training's own grouped Average after hvd.init(), on the GPU where there is one: where a build's CUDA runtime
+    # that the driver refuses, a broken NCCL, or the fusion buffer's kernels (which one tensor summed never
+    # launches) fail, shows (the process aborts).
+    ((ok, probe_detail, _),) = collective_probe.run_probes([collective_probe.horovod_env()], "horovod")
     if not ok:
-        return Check("horovod", FAIL, f"{detail}, but one all-reduce after hvd.init() failed: {probe_detail}")
+        return Check("horovod", FAIL, f"{detail}, but training's grouped all-reduce after hvd.init() failed: "
+                                      f"{probe_detail}")
     detail += f"; {probe_detail}"
     missing_nccl = not gpus and not hvd.nccl_built()
     return Check("horovod", PASS, detail + (" (NCCL matters on GPU nodes: `make horovod-gpu`)" if missing_nccl else ""))
