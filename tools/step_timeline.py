@@ -14,6 +14,13 @@ runs under the name scope `gradient_all_reduce/`). Horovod runs its collectives 
 own that the trace does not show; its timeline does: per tensor group, NEGOTIATE_ALLREDUCE (from this
 rank submitting it to every rank having submitted it: the wait for the slowest rank) and ALLREDUCE
 (the transfer itself). docs/benchmarking.md reads both for 1 vs 2 loopback workers.
+
+On a GPU the host's events of the backward pass are kernel launches, which say when each op was queued, not
+when it ran. When the trace has device planes (`/device:GPU:N`, CUPTI's kernels on their streams, each tagged
+with the TensorFlow op that launched it in its `tf_op` stat), the overlap is read from them instead: the
+backward pass ends with the last kernel of a `gradient_tape/` op, the gradients' all-reduce starts with the
+first kernel of a `gradient_all_reduce/` op or the first NCCL kernel (`nccl...`: Horovod's and MWMS's NCCL
+run outside TensorFlow's ops). `overlap_source` says which was read.
 """
 
 import collections
@@ -42,8 +49,8 @@ def _union_ps(intervals) -> int:
     return total
 
 
-def host_events(workdir: str) -> list[tuple[str, str, int, int]]:
-    """(thread, event name, start ps, end ps) of the host plane of the newest trace under `workdir`."""
+def load_trace(workdir: str):
+    """The XSpace of the newest profiler trace under `workdir`."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2  # TensorFlow's own trace format
 
     traces = sorted(glob.glob(os.path.join(workdir, layout.TENSORBOARD, "plugins", "profile", "*", "*.xplane.pb")))
@@ -53,19 +60,58 @@ def host_events(workdir: str) -> list[tuple[str, str, int, int]]:
     space = xplane_pb2.XSpace()
     with open(traces[-1], "rb") as f:
         space.ParseFromString(f.read())
-    plane = next(p for p in space.planes if p.name == "/host:CPU")
+    return space
+
+
+def _plane_events(plane):
+    """(line name, event name, start ps, end ps, event) of every event of an XPlane."""
     names = {key: meta.name for key, meta in plane.event_metadata.items()}
-    events = []
     for line in plane.lines:
         origin_ps = line.timestamp_ns * 1000
         for event in line.events:
             start = origin_ps + event.offset_ps
-            events.append((line.name, names.get(event.metadata_id, "?"), start, start + event.duration_ps))
+            yield line.name, names.get(event.metadata_id, "?"), start, start + event.duration_ps, event
+
+
+def host_events(space) -> list[tuple[str, str, int, int]]:
+    """(thread, event name, start ps, end ps) of the trace's host plane."""
+    plane = next(p for p in space.planes if p.name == "/host:CPU")
+    return [(line, name, start, end) for line, name, start, end, _ in _plane_events(plane)]
+
+
+def device_events(space) -> list[tuple[str, str, str, int, int]]:
+    """(stream, kernel name, TensorFlow op that launched it or "", start ps, end ps) of every GPU plane."""
+    events = []
+    for plane in space.planes:
+        if not plane.name.startswith("/device:GPU:"):
+            continue
+        stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
+        for line, name, start, end, event in _plane_events(plane):
+            tf_op = ""
+            for stat in event.stats:
+                if stat_names.get(stat.metadata_id) == "tf_op":
+                    # A string stat, or a reference to a stat metadata entry whose name is the string.
+                    tf_op = stat.str_value or stat_names.get(stat.ref_value, "")
+            events.append((f"{plane.name}/{line}", name, tf_op, start, end))
     return events
 
 
-def step_breakdown(events, step_event: str) -> dict:
-    """Median ms per step of wall, compute busy and compute idle; each collective op's mean ms and calls per step."""
+def _device_overlap_ms(device, step_start: int, step_end: int) -> dict:
+    """`_overlap_ms` from the kernels that ran on the GPUs within the step (empty without such kernels)."""
+    inside = [(name, tf_op, start, end) for _, name, tf_op, start, end in device if step_start <= start < step_end]
+    backward = [end for _, tf_op, _, end in inside if tf_op.startswith("gradient_tape/")]
+    reduces = [start for name, tf_op, start, _ in inside
+               if tf_op.startswith("gradient_all_reduce/") or name.lower().startswith("nccl")]
+    if not backward or not reduces:
+        return {}
+    backward_end, first_reduce = (max(backward) - step_start) / 1e9, (min(reduces) - step_start) / 1e9
+    return {"backward_end": backward_end, "first_gradient_all_reduce": first_reduce,
+            "overlap": backward_end - first_reduce, "overlap_source": "device"}
+
+
+def step_breakdown(events, step_event: str, device=()) -> dict:
+    """Median ms per step of wall, compute busy and compute idle; each collective op's mean ms and calls per step;
+    the overlap from the GPUs' kernels (`device`: `device_events`) where there are any, else from the host's ops."""
     steps = sorted((start, end) for _, name, start, end in events if name == step_event)
     if not steps:
         sys.exit(f"step_timeline: the trace has no event named {step_event!r} (see --step_event)")
@@ -76,7 +122,7 @@ def step_breakdown(events, step_event: str) -> dict:
                           if thread.startswith("tf_Compute") and name == "ExecutorState::Process"])
         row = {"step": (last - first) / 1e9, "compute_busy": busy / 1e9, "compute_idle": (last - first - busy) / 1e9}
         rows.append(row)
-        row.update(_overlap_ms(inside, first))
+        row.update(_device_overlap_ms(device, first, last) or _overlap_ms(inside, first))
         per_name = collections.defaultdict(list)
         for _, name, start, end in inside:
             if _op_type(name) in ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastRecvV2"):
@@ -84,8 +130,10 @@ def step_breakdown(events, step_event: str) -> dict:
                 per_name[re.sub(r"_\d+$", "", name.split(":")[0])].append((start, end))
         for name, intervals in per_name.items():
             collectives[name].append((_union_ps(intervals) / 1e9, len(intervals)))
-    keys = dict.fromkeys(key for row in rows for key in row)  # the overlap figures only where there are any
+    keys = dict.fromkeys(key for row in rows for key in row if key != "overlap_source")  # overlap: where any
     summary = {key: statistics.median(row[key] for row in rows if key in row) for key in keys}
+    if "overlap" in summary:
+        summary["overlap_source"] = "device" if any(row.get("overlap_source") == "device" for row in rows) else "host"
     summary["steps"] = len(rows)
     summary["collectives"] = {name: {"ms": sum(ms for ms, _ in found) / len(rows), "calls": sum(n for _, n in found) / len(rows)}
                               for name, found in sorted(collectives.items())}
@@ -111,7 +159,7 @@ def _overlap_ms(inside, step_start: int) -> dict:
         return {}
     backward_end, first_reduce = (max(backward) - step_start) / 1e9, (min(reduces) - step_start) / 1e9
     return {"backward_end": backward_end, "first_gradient_all_reduce": first_reduce,
-            "overlap": backward_end - first_reduce}
+            "overlap": backward_end - first_reduce, "overlap_source": "host"}
 
 
 def _horovod_spans(path: str) -> list[tuple[str, str, str, float, float]]:
@@ -188,12 +236,14 @@ def main(argv):
         return
     if len(argv) != 2:
         sys.exit("usage: step_timeline.py WORKDIR | --horovod_timeline=FILE")
-    summary = step_breakdown(host_events(argv[1]), _STEP_EVENT.value)
+    space = load_trace(argv[1])
+    summary = step_breakdown(host_events(space), _STEP_EVENT.value, device_events(space))
     print(f"{summary['steps']} profiled steps, median ms: step {summary['step']:.2f}, compute busy "
           f"{summary['compute_busy']:.2f}, compute idle {summary['compute_idle']:.2f}")
     if "overlap" in summary:
         print(f"  backward pass ends at {summary['backward_end']:.2f} ms, the first gradient all-reduce starts at "
-              f"{summary['first_gradient_all_reduce']:.2f} ms: {summary['overlap']:.2f} ms of overlap (median)")
+              f"{summary['first_gradient_all_reduce']:.2f} ms: {summary['overlap']:.2f} ms of overlap (median; "
+              f"{'the GPU streams' if summary['overlap_source'] == 'device' else 'the host ops'})")
     for name, figures in summary["collectives"].items():
         print(f"  {name:40s} {figures['ms']:7.2f} ms per step (mean), {figures['calls']:.1f} calls")
     with open(os.path.join(argv[1], "step_timeline.json"), "w") as f:
