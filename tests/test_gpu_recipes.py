@@ -52,6 +52,17 @@ def test_a_variant_changes_how_steps_run_not_what_they_compute(recipe, variant, 
     assert changed(float32, fast) == want  # batch, LR, schedule, epochs: untouched
 
 
+@pytest.mark.parametrize("variant, want", [
+    ("amp", {"jit_compile": True}),  # the recipe's own mixed_float16, XLA-compiled
+    ("amp_bf16", {"precision": "mixed_bfloat16", "jit_compile": True}),
+    ("xla", {"precision": "float32", "jit_compile": True}),
+])
+def test_the_lars_recipe_has_the_variants_too(variant, want):
+    published, fast = flat(load_config("r50_lars_32k")), flat(load_config(f"r50_lars_32k:{variant}"))
+    assert (published["precision"], published["jit_compile"]) == ("mixed_float16", False)
+    assert changed(published, fast) == want  # LARS, batch 32k, schedule, epochs: untouched
+
+
 def test_an_unknown_variant_is_one_line_naming_the_recipe_and_the_choices(tmp_path):
     result = run_cli("tfscale.train", "--config=configs/r50_8gpu.py:fp8", f"--workdir={tmp_path}")
     assert result.returncode == 1

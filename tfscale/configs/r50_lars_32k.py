@@ -12,13 +12,16 @@ through the linked `optim.lr` (0.2265625 per 256 images = 29.0 at 32,768). LARS 
 per batch size and epoch budget (MLPerf submissions sweep base LR, warmup and epochs): treat these
 values as the starting point, and expect ~75.9% top-1 (the MLPerf target) only after such tuning.
 Written for 256 GPUs x 128 images; fewer replicas are refused unless the batch is scaled down.
+
+Variants as the other ResNet-50 recipes' (`--config=configs/r50_lars_32k.py:amp`, docs/gpu.md): `:amp` is this
+recipe's mixed_float16 with XLA and NHWC, `:amp_bf16` bfloat16 instead, `:xla` float32 with XLA.
 """
 
-from tfscale.config import base_config
+from tfscale.config import base_config, gpu_variant
 from tfscale.configs import r50_1gpu
 
 
-def get_config():
+def get_config(variant=None):
     c = r50_1gpu.imagenet_resnet50()
     c.data.global_batch_size = 32_768
     c.data.max_per_replica_batch_size = 128
@@ -42,4 +45,4 @@ def get_config():
     c.checkpoint.every_epochs = 4.0
     c.distribute.backend = "mwms"
     c.precision = "mixed_float16"
-    return c
+    return gpu_variant(c, variant, "r50_lars_32k")
