@@ -93,6 +93,15 @@ def measure(bed: netbed.Bed, name: str, num_workers: int, pack_bytes: int, extra
     return report
 
 
+def read_reports(paths: list[str]) -> list[dict]:
+    """Each benchmark.json, parsed."""
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            reports.append(json.load(f))
+    return reports
+
+
 def measure_on_hosts(bed: netbed.Bed, name: str, hosts: list[int], extra: list[str]) -> list[dict]:
     """A 1-worker benchmark on each of `hosts` at once, no communication; returns their benchmark.json."""
     root = os.path.join(os.path.abspath(_WORKDIR.value), name)
@@ -111,8 +120,7 @@ def measure_on_hosts(bed: netbed.Bed, name: str, hosts: list[int], extra: list[s
         _, stderr = job.communicate()
         if job.returncode != 0:
             sys.exit(f"netbed_sweep: {name} failed (exit {job.returncode}):\n{stderr[-3000:]}")
-        with open(layout.benchmark(workdir)) as f:
-            reports.append(json.load(f))
+        reports += read_reports([layout.benchmark(workdir)])
     rates = [report["total_images_per_sec"] for report in reports]
     print(f"netbed_sweep: {name}: {' / '.join(f'{rate:.1f}' for rate in rates)} images/sec", flush=True)
     return reports
@@ -231,20 +239,12 @@ def run_straggler_rounds(bed: netbed.Bed, rates: list, extra: list[str]) -> tupl
     return efficiencies, shares, microbenchmarks
 
 
-def read_reports(paths: list[str]) -> list[dict]:
-    reports = []
-    for path in paths:
-        with open(path) as f:
-            reports.append(json.load(f))
-    return reports
-
-
 def predict_overlap(one_worker_json: str, allreduce_json: str, ceiling: float, extra: list[str]) -> tuple[float, float]:
     """(one message, buckets): the planner's efficiency with each host computing at the `ceiling` share of one
     worker alone, what a host keeps while the other computes too (the bed's hosts share this machine's cores; a
     cluster's nodes do not), against one worker alone."""
-    with open(one_worker_json) as f:
-        busy_rate = ceiling * json.load(f)["total_images_per_sec"]
+    (alone,) = read_reports([one_worker_json])
+    busy_rate = ceiling * alone["total_images_per_sec"]
     return tuple(predict(one_worker_json, allreduce_json, pack, extra, gpu_images_per_sec=busy_rate)
                  for pack in (0, _PACK_BYTES.value))
 

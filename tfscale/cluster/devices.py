@@ -193,7 +193,8 @@ def foreign_cuda_libraries(env: Mapping[str, str], maps: str, prefix: str) -> li
     inside = os.path.realpath(prefix) + os.sep
     found = []
     for line in maps.splitlines():
-        path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+        path = fields[5] if len(fields) == 6 else ""
         if os.path.basename(path).startswith(CUDA_LIBRARIES) and not os.path.realpath(path).startswith(inside):
             found.append(f"{path} (loaded)")
     for directory in env.get("LD_LIBRARY_PATH", "").split(":"):
