@@ -17,6 +17,7 @@ from conftest import REPO, load_config, run_cli
 from tfscale import config as tfs_config
 from tfscale.cluster import devices, driver, horovod_start
 from tfscale.config import ConfigError, validation
+from tfscale.training import engine
 from tfscale.workdir import layout
 
 FAKE_GPUS = os.path.join(REPO, "tests", "helpers", "fake_gpus.py")
@@ -299,6 +300,71 @@ def test_horovod_with_a_gpu_and_no_nccl_warns_of_host_copies():
     assert "make horovod-gpu" in report["stderr"]
     assert devices.horovod_host_copy_warning(1, nccl_built=21903) is None  # hvd.nccl_built() returns NCCL's version
     assert devices.horovod_host_copy_warning(0, nccl_built=False) is None  # a CPU run copies nothing
+
+
+# --- jit_compile=auto --------------------------------------------------------------------------------------
+
+GPUS = ["/job:worker/replica:0/task:0/device:GPU:0", "/job:worker/replica:0/task:0/device:GPU:1"]
+CPUS = ["/job:localhost/replica:0/task:0/device:CPU:0"]
+
+
+@pytest.mark.parametrize("overrides, devices, want", [
+    ((), GPUS, True),  # Keras' rule on a GPU: XLA
+    ((), CPUS, False),  # Keras' rule on a CPU-only machine: no XLA
+    (("--config.distribute.backend=horovod",), GPUS, True),  # one process per GPU: its replica is a GPU
+    (("--config.distribute.pack_bytes=65536",), GPUS, False),  # the buckets asked for win: they overlap only without XLA
+    (("--config.model.sync_bn=True", "--config.distribute.backend=mwms"), GPUS, False),  # XLA cannot all-reduce across workers
+    (("--config.model.sync_bn=True", "--config.distribute.backend=mirrored"), GPUS, True),  # between one process's GPUs it can
+    (("--config.jit_compile=True",), CPUS, True),  # a value set stays
+    (("--config.jit_compile=False",), GPUS, False),
+])
+def test_jit_compile_auto_is_decided_by_the_replicas_and_the_config(overrides, devices, want, caplog):
+    cfg = load_config("smoke", *overrides)
+    with caplog.at_level("INFO"):
+        engine.resolve_jit_compile(cfg, devices)
+    assert cfg.jit_compile is want
+    validation.validate(cfg)  # a decided config is a valid one: no XLA conflict is ever chosen
+    if "--config.jit_compile" not in " ".join(overrides):
+        assert f"config.jit_compile=auto -> {want}: " in caplog.text
+
+
+def test_jit_compile_auto_names_why_it_chose_no_xla(caplog):
+    cfg = load_config("smoke", "--config.distribute.pack_bytes=65536")
+    with caplog.at_level("INFO"):
+        engine.resolve_jit_compile(cfg, GPUS)
+    assert ("config.jit_compile=auto -> False: config.distribute.pack_bytes=65536 asks for gradient buckets sent while "
+            "the backward pass runs") in caplog.text
+
+
+def test_a_jit_compile_that_is_neither_auto_nor_a_bool_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"config.jit_compile must be 'auto', True or False, got 'xla'"):
+        validation.validate(load_config("smoke", "--config.jit_compile=xla"))
+
+
+def test_a_model_whose_layer_cannot_be_compiled_falls_back_as_keras_does(caplog):
+    import keras
+
+    from tfscale.model import build
+
+    class HostOnly(keras.layers.Layer):  # as Keras' lookup and hashing layers declare themselves
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.supports_jit = False
+
+        def call(self, x):
+            return x
+
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(HostOnly(name="host_only")(inputs)))
+    cfg = load_config("smoke", "--config.jit_compile=True")
+    with caplog.at_level("WARNING"):
+        build.check_xla(cfg, model)
+    assert cfg.jit_compile is False
+    assert ("config.jit_compile=True -> False: layer(s) host_only of config.model.name='cifar_resnet8' set "
+            "supports_jit=False") in caplog.text
+    supported = load_config("smoke", "--config.jit_compile=True")
+    build.check_xla(supported, keras.Model(inputs, keras.layers.Dense(2)(inputs)))
+    assert supported.jit_compile is True
 
 
 # --- XLA and synchronized BatchNorm -------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import pytest
 from conftest import load_config, read_jsonl, run_cli
 
 from tfscale import config as tfs_config
+from tfscale.config import validation
+from tfscale.training import engine
 from tfscale.workdir import layout
 
 RECIPES = ("r50_1gpu", "r50_8gpu", "r50_32gpu")
@@ -36,9 +38,28 @@ def changed(before: dict, after: dict) -> dict:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_without_a_variant_the_recipe_stays_float32(recipe):
+def test_without_a_variant_the_recipe_stays_float32_with_xla_decided_by_the_devices(recipe):
     cfg = load_config(recipe)
-    assert (cfg.precision, cfg.jit_compile) == ("float32", False)
+    assert (cfg.precision, cfg.jit_compile) == ("float32", "auto")
+
+
+GPU_REPLICA = ["/job:worker/replica:0/task:0/device:GPU:0"]
+CPU_REPLICA = ["/job:worker/replica:0/task:0/device:CPU:0"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_default_gpu_run_is_float32_with_xla_and_one_message(recipe, tmp_path):
+    # What `python -m tfscale.train --config=configs/<recipe>.py` runs on a GPU worker: the published float32
+    # recipe, XLA-compiled (Keras 3's BatchNorm is fused only then), the gradients as one message after the
+    # backward pass (no buckets: nothing leaves an XLA call before it ends).
+    cfg = load_config(recipe, f"--config.data.data_dir={tmp_path}")
+    engine.resolve_jit_compile(cfg, GPU_REPLICA)
+    assert (cfg.precision, cfg.jit_compile, cfg.distribute.pack_bytes) == ("float32", True, 0)
+    validation.validate(cfg)
+    assert validation.bucket_warning(cfg) is None
+    on_cpu = load_config(recipe, f"--config.data.data_dir={tmp_path}")
+    engine.resolve_jit_compile(on_cpu, CPU_REPLICA)
+    assert on_cpu.jit_compile is False  # Keras' compile leaves XLA off on CPU-only machines too
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -59,7 +80,7 @@ def test_a_variant_changes_how_steps_run_not_what_they_compute(recipe, variant, 
 ])
 def test_the_lars_recipe_has_the_variants_too(variant, want):
     published, fast = flat(load_config("r50_lars_32k")), flat(load_config(f"r50_lars_32k:{variant}"))
-    assert (published["precision"], published["jit_compile"]) == ("mixed_float16", False)
+    assert (published["precision"], published["jit_compile"]) == ("mixed_float16", "auto")
     assert changed(published, fast) == want  # LARS, batch 32k, schedule, epochs: untouched
 
 

@@ -112,6 +112,10 @@ def test_cli_trains_then_resumes_instead_of_restarting(tmp_path):
     first = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "eval at step 60" in first.stderr
+    # jit_compile's default decided as Keras' compile decides it, said once, and recorded.
+    assert "config.jit_compile=auto -> False: the replicas are CPUs" in first.stderr
+    with open(os.path.join(workdir, layout.CONFIG)) as f:
+        assert json.load(f)["jit_compile"] is False
     # Each message once (absl's line, not TensorFlow's own `INFO:tensorflow:` copy); steps with an ETA.
     assert "INFO:tensorflow:" not in first.stderr
     printed = without_tf_import_notices(first.stderr)

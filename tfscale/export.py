@@ -40,6 +40,7 @@ from tfscale.workdir import layout
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 
+import copy
 import json
 import os
 import platform
@@ -77,7 +78,7 @@ def _inference_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     channels_first convolutions do not run on CPUs, and synchronized BatchNormalization only matters
     for training batch statistics.
     """
-    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    cfg = copy.deepcopy(cfg)  # keeps each key's type (jit_compile takes 'auto' or a bool)
     cfg.model.data_format = "channels_last"
     cfg.model.sync_bn = False
     return cfg

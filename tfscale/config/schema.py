@@ -13,7 +13,7 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
-from tfscale.config.names import IMAGENET_1K_COUNTS
+from tfscale.config.names import IMAGENET_1K_COUNTS, JIT_AUTO
 from tfscale.errors import ConfigError
 
 
@@ -22,7 +22,9 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds weight init, synthetic data and shuffling; same seed -> same run
     c.precision = "float32"  # float32 | mixed_float16 (GPU, loss-scaled) | mixed_bfloat16 (TPU/Ampere+, CPU)
-    c.jit_compile = False  # XLA-compile the train step (GPU clusters; slower to start)
+    # XLA-compile each replica's forward + backward pass: auto (as Keras' compile: XLA unless the config asks
+    # for something XLA cannot run; decided at start, logged, recorded in config.json) | True | False
+    c.jit_compile = ml_collections.FieldReference(JIT_AUTO, field_type=object)
     c.profile_steps = ""  # "START,END": TensorFlow profiler trace of those global steps into tensorboard/
 
     c.model = ml_collections.ConfigDict()
@@ -177,11 +179,12 @@ GPU_VARIANTS = {
 
 
 def gpu_variant(c: ml_collections.ConfigDict, variant: str | None, recipe: str) -> ml_collections.ConfigDict:
-    """`c` unchanged (float32, the recipe as published) or its fast GPU variant (`GPU_VARIANTS`).
+    """`c` unchanged (float32, the recipe as published; XLA on GPU workers by `jit_compile=auto`) or its fast GPU
+    variant (`GPU_VARIANTS`).
 
     The variant changes how each step runs, never what it computes on paper: global batch, LR
-    schedule and epochs stay the recipe's. Its precision, XLA on the gradient step (Keras 3's
-    BatchNormalization is unfused without it), NHWC tensors (cuDNN's Tensor Core kernels want
+    schedule and epochs stay the recipe's. Its precision, XLA on the gradient step on every device
+    (Keras 3's BatchNormalization is unfused without it), NHWC tensors (cuDNN's Tensor Core kernels want
     channels_last) and 100 steps per host sync. Nothing here depends on another key, so `--config.*`
     overrides, applied after the variant (e.g. the backend make_sbatch sets), cannot contradict it;
     NCCL is each worker's own choice at run time (`tfscale.cluster.devices.collective_implementation`).

@@ -10,10 +10,10 @@ warmup needed at this size), for which they publish 76.4% top-1 after 90 epochs 
 a published figure: tfscale has not trained ResNet-50 on ImageNet). Speed only, without data:
 `--config.data.dataset=synthetic`, or `python -m tfscale.benchmark ... --config.benchmark.mode=synthetic`.
 
-GPU variants (docs/gpu.md): `--config=configs/r50_1gpu.py:xla` (float32 + XLA), `:amp` (float16 +
-XLA) or `:amp_bf16` (bfloat16 + XLA); same batch, LR and epochs. NVIDIA's FP32/TF32 figures below ran
-with XLA: compare them with `:xla`, not with the plain recipe (Keras 3's BatchNormalization is unfused
-without XLA). Published images/sec on 1 GPU to compare `python -m
+On a GPU the plain recipe runs float32 with XLA (`jit_compile=auto`; Keras 3's BatchNormalization is
+fused only under XLA), as NVIDIA's FP32/TF32 figures below ran. GPU variants (docs/gpu.md): `:amp`
+(float16 + XLA), `:amp_bf16` (bfloat16 + XLA), `:xla` (float32 + XLA on any device); same batch, LR
+and epochs. Published images/sec on 1 GPU to compare `python -m
 tfscale.benchmark` with (training, real ImageNet TFRecords):
   * NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md, "Training
     performance results" (ResNet-50 v1.5, NGC 20.06-tf1 container, training_perf.sh: tf.data input,

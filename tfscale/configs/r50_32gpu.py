@@ -14,10 +14,11 @@ MultiWorkerMirroredStrategy. On fewer replicas each would take more than 128 ima
 refused with the override that scales it down: `--config.data.global_batch_size=512` on 4 GPUs (the
 LR follows: 0.2), the same recipe at a smaller batch.
 
-GPU variants (docs/gpu.md): `--config=configs/r50_32gpu.py:xla` (float32 + XLA), `:amp` (float16 +
-XLA) or `:amp_bf16` (bfloat16 + XLA); same batch, LR and epochs. All of them, the plain recipe too,
-all-reduce over NCCL (collective_impl=AUTO is NCCL on a worker with a GPU). NVIDIA's FP32/TF32 figures below ran with XLA:
-compare them with `:xla`, not with the plain recipe (Keras 3's BatchNormalization is unfused without XLA). Published per-GPU figures to compare
+On GPU workers the plain recipe runs float32 with XLA (`jit_compile=auto`: Keras 3's BatchNormalization
+is fused only under XLA) and the gradients as one message. GPU variants (docs/gpu.md): `:amp` (float16 +
+XLA), `:amp_bf16` (bfloat16 + XLA), `:xla` (float32 + XLA on any device); same batch, LR and epochs. All
+of them all-reduce over NCCL (collective_impl=AUTO is NCCL on a worker with a GPU). NVIDIA's FP32/TF32
+figures below ran with XLA, as the plain recipe does on GPUs. Published per-GPU figures to compare
 with, i.e. the multi-GPU totals of NVIDIA DeepLearningExamples'
 TensorFlow/Classification/ConvNets/resnet50v1.5/README.md divided by the GPU count (ResNet-50 v1.5,
 training, real ImageNet TFRecords, NGC 20.06-tf1, Horovod, tf.data input, no DALI): 8x V100 16 GB:

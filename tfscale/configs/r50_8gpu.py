@@ -9,10 +9,10 @@ Linear scaling gives LR 0.4 (0.1 per 256 images) with a 5-epoch gradual warmup (
 published figure: tfscale has not trained ResNet-50 on ImageNet). On fewer GPUs it is
 refused (128 images per replica at most); scale it with `--config.data.global_batch_size=128*GPUs`.
 
-GPU variants (docs/gpu.md): `--config=configs/r50_8gpu.py:xla` (float32 + XLA), `:amp` (float16 +
-XLA) or `:amp_bf16` (bfloat16 + XLA); same batch, LR and epochs. NVIDIA's FP32/TF32 figures below ran
-with XLA: compare them with `:xla`, not with the plain recipe (Keras 3's BatchNormalization is unfused
-without XLA). Published images/sec for 8 GPUs to compare with
+On a GPU the plain recipe runs float32 with XLA (`jit_compile=auto`; Keras 3's BatchNormalization is
+fused only under XLA), as NVIDIA's FP32/TF32 figures below ran. GPU variants (docs/gpu.md): `:amp`
+(float16 + XLA), `:amp_bf16` (bfloat16 + XLA), `:xla` (float32 + XLA on any device); same batch, LR
+and epochs. Published images/sec for 8 GPUs to compare with
 (training, real ImageNet TFRecords):
   * NVIDIA DeepLearningExamples, TensorFlow/Classification/ConvNets/resnet50v1.5/README.md, "Training
     performance results" (ResNet-50 v1.5, NGC 20.06-tf1, training_perf.sh: Horovod, tf.data input, no

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 
 import keras
 import tensorflow as tf
+from absl import logging
 from keras import layers
 from keras.src.models.functional import Functional  # Sequential too: a layer graph clone_model rebuilds (no public name)
 
@@ -277,6 +278,25 @@ def check(cfg: ml_collections.ConfigDict) -> None:
     """
     if kind(cfg.model.name) == "tfscale":
         _check_no_options(cfg.model.name, _options(cfg.model))
-        return
+        return  # every layer of tfscale's ResNets compiles with XLA
     with tf.Graph().as_default():
-        create_from_config(cfg)
+        check_xla(cfg, create_from_config(cfg))
+
+
+def check_xla(cfg: ml_collections.ConfigDict, model: keras.Model) -> None:
+    """`jit_compile` off, with a warning naming the layers, when a layer says XLA cannot compile it
+    (`supports_jit=False`): what Keras' compile does with such a model (keras/src/trainers/trainer.py,
+    the `jit_compile` setter: "Model doesn't support `jit_compile=True`. Proceeding with `jit_compile=False`")."""
+    unsupported = [layer.name for layer in _all_layers(model) if not layer.supports_jit]
+    if cfg.jit_compile and unsupported:
+        logging.warning("config.jit_compile=%s -> False: layer(s) %s of config.model.name=%r set supports_jit=False, "
+                        "so XLA cannot compile the step (as Keras' compile falls back)", cfg.jit_compile,
+                        ", ".join(unsupported[:5]), cfg.model.name)
+        cfg.jit_compile = False
+
+
+def _all_layers(layer: keras.layers.Layer):
+    """`layer` and every layer nested in it (the layers of sub-models too)."""
+    yield layer
+    for inner in getattr(layer, "layers", ()):
+        yield from _all_layers(inner)

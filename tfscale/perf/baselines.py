@@ -27,6 +27,7 @@ of those, not out of a ratio of medians.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import statistics
 import time
@@ -313,8 +314,9 @@ def median_step_rate(step_ends: list[float], num_timed: int, global_batch_size: 
     return global_batch_size / statistics.median(intervals)
 
 
-def _keras_fit_model(cfg: ml_collections.ConfigDict) -> keras.Model:
-    """The same model and optimizer, compiled as a Keras user would (L2 through the loss, as tfscale)."""
+def _keras_fit_model(cfg: ml_collections.ConfigDict, **compile_args) -> keras.Model:
+    """The same model and optimizer, compiled as a Keras user would (L2 through the loss, as tfscale) with
+    Keras' defaults unless `compile_args` say otherwise."""
     keras.utils.set_random_seed(cfg.seed)
     model = engine.build_model(cfg)
     weight_decay = optim.loss_weight_decay(cfg.optim)
@@ -325,7 +327,7 @@ def _keras_fit_model(cfg: ml_collections.ConfigDict) -> keras.Model:
         per_example = engine.cross_entropy(labels, logits, cfg.data.num_classes, cfg.optim.label_smoothing)
         return tf.reduce_mean(per_example) + (optim.l2_loss(model.trainable_variables, weight_decay) if weight_decay else 0.0)
 
-    model.compile(optimizer=engine.build_optimizer(cfg, model, reduced_gradients=False), loss=loss, jit_compile=cfg.jit_compile)
+    model.compile(optimizer=engine.build_optimizer(cfg, model, reduced_gradients=False), loss=loss, **compile_args)
     return model
 
 
@@ -354,6 +356,9 @@ def _loop_rate(train_loop, cluster, input_fn, num_batches: int, global_batch_siz
 def compare_keras_fit(cfg: ml_collections.ConfigDict, cluster, model, optimizer, input_fn) -> dict:
     """Median images/sec of tfscale's training step and of Keras `model.fit`, same model, data and batch.
 
+    `fit` runs as its users run it, `compile`'s defaults (jit_compile="auto": XLA on TensorFlow when the
+    model's layers allow it), and, when that differs from the config's `jit_compile`, also compiled with the
+    config's setting ("matched"): the first ratio is what a user sees, the second what the step itself costs.
     `model`, `optimizer`: the benchmark's own, trained here by tfscale's step; `fit` needs a compiled
     model of its own, built from the same config and seed.
     """
@@ -363,15 +368,21 @@ def compare_keras_fit(cfg: ml_collections.ConfigDict, cluster, model, optimizer,
     batch, steps = cfg.data.global_batch_size, cfg.benchmark.num_batches
     step = tf.Variable(0, dtype=tf.int64, trainable=False)
     train_loop = engine.make_train_loop(cfg, cluster, model, optimizer, step=step)
-    fit_model = _keras_fit_model(cfg)
-    candidates = {
-        "tfscale_loop": lambda: _loop_rate(train_loop, cluster, input_fn, steps, batch),
-        "keras_fit": lambda: _fit_rate(fit_model, input_fn(tf.distribute.InputContext()), steps, batch),
-    }
+    fit_models = {"keras_fit": _keras_fit_model(cfg)}
+    if fit_models["keras_fit"].jit_compile != cfg.jit_compile:
+        fit_models["keras_fit_matched"] = _keras_fit_model(cfg, jit_compile=cfg.jit_compile)
+    candidates = {"tfscale_loop": lambda: _loop_rate(train_loop, cluster, input_fn, steps, batch)}
+    for name, fit_model in fit_models.items():
+        candidates[name] = functools.partial(_fit_rate, fit_model, input_fn(tf.distribute.InputContext()), steps, batch)
     rates = interleaved_rounds(candidates, cfg.benchmark.rounds)
     result = summarize_rates(rates)
+    result["keras_jit_compile"] = {name: bool(fit_model.jit_compile) for name, fit_model in fit_models.items()}
+    result["tfscale_jit_compile"] = bool(cfg.jit_compile)
     result["paired_ratio"] = paired_ratio(rates, "tfscale_loop", "keras_fit")
     result["tfscale_vs_keras_fit"] = result["paired_ratio"]["median"]
+    if "keras_fit_matched" in fit_models:
+        result["paired_ratio_matched"] = paired_ratio(rates, "tfscale_loop", "keras_fit_matched")
+        result["tfscale_vs_keras_fit_matched"] = result["paired_ratio_matched"]["median"]
     return result
 
 
@@ -379,7 +390,15 @@ def print_fit_report(result: dict, cfg: ml_collections.ConfigDict) -> None:
     rounds = len(result["rounds"]["tfscale_loop"])
     print(f"training step vs Keras model.fit ({cfg.model.name}, batch {cfg.data.global_batch_size}, "
           f"{cfg.data.dataset} data, median of {rounds} rounds):")
-    print(f"  tfscale loop step     {result['tfscale_loop_images_per_sec']:9.1f} images/sec")
-    print(f"  keras model.fit       {result['keras_fit_images_per_sec']:9.1f} images/sec")
-    print(f"  tfscale = {ratio_text(result['paired_ratio'])} model.fit")
+    xla = {True: "XLA", False: "no XLA"}
+    print(f"  tfscale loop step     {result['tfscale_loop_images_per_sec']:9.1f} images/sec "
+          f"({xla[result['tfscale_jit_compile']]}, config.jit_compile)")
+    print(f"  keras model.fit       {result['keras_fit_images_per_sec']:9.1f} images/sec "
+          f"({xla[result['keras_jit_compile']['keras_fit']]}, compile's defaults)")
+    if "keras_fit_matched" in result["keras_jit_compile"]:
+        print(f"  keras model.fit       {result['keras_fit_matched_images_per_sec']:9.1f} images/sec "
+              f"({xla[result['keras_jit_compile']['keras_fit_matched']]}, matched to tfscale)")
+    print(f"  tfscale = {ratio_text(result['paired_ratio'])} model.fit as Keras users run it")
+    if "paired_ratio_matched" in result:
+        print(f"  tfscale = {ratio_text(result['paired_ratio_matched'])} model.fit matched")
 

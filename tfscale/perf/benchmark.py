@@ -38,6 +38,7 @@ from tfscale.workdir import layout
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 topology.bind_at_start()  # a task of the templates' step: near its GPU, before TF sizes its pools from the mask
 
+import copy
 import json
 import os
 import platform
@@ -183,7 +184,7 @@ def breakdown_ms(cfg, cluster, model, optimizer, batch, steps: dict) -> dict:
 
 def _benchmark_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A copy of `cfg` for the run: synthetic mode replaces the configured data with random images."""
-    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    cfg = copy.deepcopy(cfg)  # keeps each key's type (jit_compile takes 'auto' or a bool)
     if cfg.benchmark.mode in ("synthetic", "allreduce"):
         if cfg.data.dataset != "synthetic":
             logging.info("benchmark.mode=%s: random images instead of config.data.dataset=%r", cfg.benchmark.mode,

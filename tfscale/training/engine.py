@@ -68,6 +68,7 @@ def join(cfg: ml_collections.ConfigDict) -> distribute.Cluster:
     data_info.check_tfds_counts(cfg.data, found)
     build.check(cfg)  # a model tfscale did not define is built once, in a graph of its own, before connecting
     cluster = distribute.setup(cfg.distribute)
+    resolve_jit_compile(cfg, cluster.strategy.extended.worker_devices)
     validation.validate(cfg, num_replicas=cluster.num_replicas)
     data_info.check_tfds_files(cfg.data, num_workers=cluster.size)
     _check_xla_sync_bn_devices(cfg, cluster.strategy.extended.worker_devices)
@@ -84,6 +85,12 @@ def with_data(cfg: ml_collections.ConfigDict, cluster: distribute.Cluster) -> Ru
         worker_ranks=(cluster.rank,), num_workers=cluster.size,
     )
     return Run(cfg=cfg, cluster=cluster, steps=tfs_config.to_steps(cfg, num_workers=cluster.size), data_dir=data_dir)
+
+
+def resolve_jit_compile(cfg: ml_collections.ConfigDict, worker_devices) -> None:
+    """`jit_compile="auto"` decided for this worker's replicas (`validation.resolve_jit_compile`)."""
+    on_gpus = all(tf.DeviceSpec.from_string(device).device_type == "GPU" for device in worker_devices)
+    validation.resolve_jit_compile(cfg, on_gpus=on_gpus)
 
 
 def _check_xla_sync_bn_devices(cfg: ml_collections.ConfigDict, worker_devices) -> None:
@@ -196,6 +203,7 @@ def make_loss_and_grads(cfg, cluster, model, optimizer, *, local: bool = False):
         loss_share = tf.reduce_sum(per_example) / global_batch_size
         return loss_share, tape.gradient(scaled, model.trainable_variables)
 
+    resolve_jit_compile(cfg, cluster.strategy.extended.worker_devices)  # done by `join` unless a tool skipped it
     if cfg.jit_compile:
         # XLA compiles forward + backward only: the iterator and the cross-replica gradient
         # all-reduce inside apply_gradients cannot live in an XLA cluster.
