@@ -245,9 +245,9 @@ def run_step_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[di
         input_fn = loaders.train_input_fn(cfg.data, seed=cfg.seed, start_step=0, data_dir=run.data_dir)
         fit_comparison = None
         if cfg.benchmark.compare_keras_fit:
-            from tfscale.perf import baselines  # model.fit and its second model only when asked for
+            from tfscale.perf import keras_fit  # model.fit and its second model only when asked for
 
-            fit_comparison = baselines.compare_keras_fit(cfg, cluster, model, optimizer, input_fn)
+            fit_comparison = keras_fit.compare_keras_fit(cfg, cluster, model, optimizer, input_fn)
         next_batch = _batch_source(cfg, cluster, input_fn)
         profiler = tfs_callbacks.profiler_callbacks(cfg.profile_steps, layout.tensorboard(workdir),
                                                     is_chief=cluster.is_chief)
@@ -333,9 +333,9 @@ def run_benchmark(cfg: ml_collections.ConfigDict, workdir: str) -> dict:
     if is_chief:
         path = write_report(workdir, report, cfg)
         if "keras_fit_comparison" in report:
-            from tfscale.perf import baselines
+            from tfscale.perf import keras_fit
 
-            baselines.print_fit_report(report["keras_fit_comparison"], cfg)
+            keras_fit.print_fit_report(report["keras_fit_comparison"], cfg)
         if "allreduce" in report:
 
             allreduce_bench.print_report(report)

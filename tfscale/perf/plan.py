@@ -245,7 +245,7 @@ def _read_report(path: str, key: str) -> dict:
 
 
 def run_plan(cfg, flags_) -> list[dict]:
-    validation.resolve_jit_compile(cfg)  # the jit_compile the run will use decides whether buckets overlap
+    validation.resolve_jit_compile(cfg, on_gpus=True)  # as a GPU worker will: it decides whether buckets overlap
     workload = workload_from_config(cfg, per_gpu_batch=flags_.per_gpu_batch)
     system = resolve_system(flags_.system, workload.model, workload.per_gpu_batch)
     overrides = measured_overrides(flags_.benchmark_json, flags_.allreduce_json, workload)
