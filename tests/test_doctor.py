@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 from tfscale.cluster import driver
-from tfscale.perf import collective_probe, doctor
+from tfscale.perf import collective_probe, doctor, doctor_speed
 
 
 def run_doctor(*args, **env):
@@ -91,7 +91,7 @@ def test_an_unknown_check_is_named():
     ("Tesla P100-PCIE-16GB (sm_60)", "P100"), ("NVIDIA H100 80GB HBM3 (sm_90)", None),
 ])
 def test_published_figure_by_gpu_name(name, gpu):
-    row = doctor.published_figure(name)
+    row = doctor_speed.published_figure(name)
     assert (row[0] if row else None) == gpu
 
 
@@ -208,3 +208,49 @@ def test_memory_growth_is_judged_by_what_the_driver_says_the_process_holds(free_
     assert f"holds {40 - free_gib:.2f} of 40.0 GiB after two 64 MiB allocations" in check.detail
     if status == "FAIL":
         assert "reserved the GPU's memory up front (memory growth is off)" in check.detail
+
+
+# --- throughput: the node's input beside the GPU's step -------------------------------------------------------
+
+
+def test_input_below_the_stated_share_of_the_step_fails_naming_what_to_do(digit_shards):
+    # tfscale's ImageNet pipeline on real JPEG shards, timed here; the GPU's step rate is what varies.
+    from tfscale.perf import gpu_probe
+
+    shards, _ = digit_shards
+    rate = gpu_probe.input_images_per_sec(shards, per_gpu_batch=16, threads=1, warmup_batches=2, timed_batches=4)
+    assert rate > 0
+    status, text = doctor_speed.input_verdict(rate, rate / 0.5, shards, threads=1)  # a GPU twice as fast as the input
+    assert status == doctor.FAIL
+    assert f"input from {shards}: {rate:.0f} images/sec on 1 CPU(s), 0.50x the step" in text
+    assert "below 90%, so the GPU waits for data. Stage the shards to node-local disk" in text
+    assert doctor_speed.input_verdict(rate, rate / doctor_speed.INPUT_SHARE, shards, 1)[0] == doctor.PASS  # at the share
+    assert doctor_speed.input_verdict(rate, rate, shards, 1) == (doctor.PASS, text.split(": below")[0].replace(
+        "0.50x", "1.00x"))
+
+
+def test_the_throughput_check_times_the_input_of_one_tasks_cpus_and_fails_an_input_bound_node(digit_shards,
+                                                                                              monkeypatch):
+    # The check's own path with the GPU injected: a device list of one GPU, its name and capability, and a
+    # ResNet-50 step of 10 ms at batch 128 (12,800 images/sec: no CPU input of two cores feeds that).
+    import tensorflow as tf
+
+    from tfscale.perf import gpu_probe
+
+    shards, _ = digit_shards
+    monkeypatch.setattr(tf.config.experimental, "get_device_details",
+                        lambda gpu: {"device_name": "NVIDIA H100 80GB HBM3", "compute_capability": (9, 0)})
+    steps = []
+    monkeypatch.setattr(gpu_probe, "resnet50_steps", lambda cluster, precision, size, batch, *_: steps.append(
+        (precision, size, batch)) or {"step_s": [0.01] * 4})
+    monkeypatch.setattr(doctor_speed, "INPUT_WARMUP_BATCHES", 1)
+    monkeypatch.setattr(doctor_speed, "INPUT_BATCHES", 3)
+    gpu = tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU")
+    check = doctor_speed.check_throughput(None, [gpu], shards, tasks_per_node=2)
+    assert steps == [("mixed_float16", 224, 128)]
+    assert check.status == doctor.FAIL
+    threads = doctor_speed.task_cpus(2)
+    assert check.detail.startswith("12800 images/sec (NVIDIA H100 80GB HBM3 (sm_90), mixed_float16+XLA, batch 128")
+    assert f"input from {shards}: " in check.detail and f"on {threads} CPU(s)" in check.detail
+    no_data = doctor_speed.check_throughput(None, [gpu], "", tasks_per_node=2)
+    assert no_data.status == doctor.PASS and no_data.detail.endswith("input not timed (--data_dir=SHARDS times it)")

@@ -1,6 +1,6 @@
 """tfscale-doctor: a self-check of a node, one line per check. Run it first on a new cluster.
 
-    tfscale-doctor [--fast] [--only=gpus,horovod] [--json=PATH]      (python -m tfscale.doctor)
+    tfscale-doctor [--fast] [--only=gpus,horovod] [--data_dir=SHARDS] [--json=PATH]      (python -m tfscale.doctor)
     srun --nodes=N --ntasks-per-node=1 tfscale-doctor --tasks_per_node=4     (slurm/*.sbatch: DOCTOR=all)
 
 Each check prints PASS, FAIL or N/A and why; N/A marks what needs a GPU (or an optional package) that
@@ -23,7 +23,9 @@ checks that compile ResNet-50 (docs/gpu.md gives the time of each mode).
   dali            one batch decoded by DALI on the GPU ("mixed"; CPU decoding shown where there is none)
   gpu-bandwidth   all-reduce bus bandwidth between this node's GPUs, timed in-graph as nccl-tests does
                   (busbw = algbw 2(n-1)/n)
-  throughput      one-GPU synthetic ResNet-50 images/sec beside the figure published for that GPU
+  throughput      one-GPU synthetic ResNet-50 images/sec beside the figure published for that GPU; with
+                  --data_dir, tfscale's input pipeline on one task's share of the CPUs beside it (FAIL below 90%:
+                  the input-bound node)
 
 The float32 and float16 steps run on the CPU too, at a small size (they prove XLA and loss scaling
 work; their speed means nothing there). Throughput runs only on a GPU.
@@ -40,7 +42,6 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import os
-import statistics
 import sys
 from typing import Callable
 
@@ -51,51 +52,15 @@ from absl import app, flags, logging
 from tfscale import config as tfs_config
 from tfscale import io
 from tfscale.cluster import devices, distribute, driver
-from tfscale.perf import allreduce_bench, collective_probe, gpu_probe
-from tfscale.perf.doctor_checks import CHECK_NAMES, SLOW_CHECKS
+from tfscale.perf import collective_probe, gpu_probe
+from tfscale.perf.doctor_checks import CHECK_NAMES, FAIL, NA, PASS, SLOW_CHECKS, Check
+from tfscale.perf.doctor_speed import check_gpu_bandwidth, check_throughput, gpu_name
 
-PASS, FAIL, NA = "pass", "fail", "n/a"
 
-# One-GPU ResNet-50 training throughput as published (docs/gpu.md "What to expect" gives the sources):
-# (name in the GPU's device name, precision, per-GPU batch, images/sec, source).
-PUBLISHED_1GPU = (
-    ("A100", "mixed_float16", 256, 2375.0, "NVIDIA DeepLearningExamples resnet50v1.5, DGX A100 40 GB, AMP+XLA"),
-    ("V100", "mixed_float16", 256, 1270.0, "NVIDIA DeepLearningExamples resnet50v1.5, DGX-1 V100 16 GB, AMP+XLA"),
-    ("P100", "float32", 64, 218.0, "tf_cnn_benchmarks, DGX-1 P100, FP32 (2017)"),
-)
-TENSOR_CORE_CAPABILITY = (7, 0)  # Volta and newer: float16 Tensor Cores
 CPU_STEP = dict(image_size=64, batch=2)  # the CPU's XLA and float16 steps: the compile is the check
 GPU_STEP = dict(image_size=224, batch=64)
-THROUGHPUT_WARMUP_STEPS, THROUGHPUT_STEPS = 5, 20
-MIN_THROUGHPUT_BATCH = 32
 GROWTH_PROBE_BYTES = 64 << 20  # two allocations of this size: a growing allocator holds little more than them
 MAX_HELD_FRACTION = 0.5  # more of the GPU held than this after them: TensorFlow reserved its pool up front
-BANDWIDTH_BYTES = 64 << 20  # per GPU, as a mid-sized fused gradient buffer
-BANDWIDTH_CALLS = 10
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    name: str
-    status: str  # PASS | FAIL | NA
-    detail: str
-
-    def line(self) -> str:
-        return f"{self.status.upper():4}  {self.name:14} {self.detail}"
-
-
-# --- what the node has -------------------------------------------------------------------------------------
-
-
-def gpu_name(gpu) -> str:
-    details = tf.config.experimental.get_device_details(gpu)
-    capability = details.get("compute_capability")
-    return details.get("device_name", gpu.name) + (f" (sm_{capability[0]}{capability[1]})" if capability else "")
-
-
-def published_figure(name: str) -> tuple | None:
-    """The PUBLISHED_1GPU row whose GPU appears in `name`, e.g. 'NVIDIA A100-SXM4-40GB'; None for others."""
-    return next((row for row in PUBLISHED_1GPU if row[0] in name), None)
 
 
 # --- the checks --------------------------------------------------------------------------------------------
@@ -258,51 +223,11 @@ def check_dali(gpus: list) -> Check:
                                "TensorFlow plugin")
 
 
-def check_gpu_bandwidth(gpus: list) -> Check:
-    if len(gpus) < 2:
-        return Check("gpu-bandwidth", NA, f"needs 2 or more GPUs on the node (this one: {len(gpus)})")
-    names = [f"/gpu:{i}" for i in range(len(gpus))]
-    seconds = gpu_probe.allreduce_seconds(names, BANDWIDTH_BYTES, BANDWIDTH_CALLS, tf.distribute.NcclAllReduce())
-    algbw, busbw = allreduce_bench.bus_bandwidth(BANDWIDTH_BYTES, seconds, len(gpus))
-    return Check("gpu-bandwidth", PASS, f"NCCL all-reduce of {BANDWIDTH_BYTES >> 20} MiB over {len(gpus)} GPUs "
-                                        f"({BANDWIDTH_CALLS} in one graph call, as nccl-tests times them): "
-                                        f"{seconds * 1e3:.2f} ms, algbw {algbw:.1f} GB/s, busbw {busbw:.1f} GB/s")
-
-
-def check_throughput(cluster, gpus: list) -> Check:
-    if not gpus:
-        return Check("throughput", NA, "needs a GPU (published ResNet-50 figures are per GPU)")
-    name = gpu_name(gpus[0])
-    capability = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0))
-    row = published_figure(name)
-    precision = row[1] if row else ("mixed_float16" if tuple(capability) >= TENSOR_CORE_CAPABILITY else "float32")
-    batch = row[2] if row else 128
-    out_of_memory = []
-    while True:  # the published batch may not fit this GPU's memory with Keras 3's ResNet-50: halve it, say so
-        try:
-            result = gpu_probe.resnet50_steps(cluster, precision, 224, batch, THROUGHPUT_STEPS, THROUGHPUT_WARMUP_STEPS)
-            break
-        except tf.errors.ResourceExhaustedError:
-            if batch <= MIN_THROUGHPUT_BATCH:
-                raise
-            out_of_memory.append(batch)
-            batch //= 2
-    rate = batch / statistics.mean(result["step_s"])
-    detail = f"{rate:.0f} images/sec ({name}, {precision}+XLA, batch {batch}, synthetic data)"
-    if out_of_memory:
-        detail += f" (batch {', '.join(map(str, out_of_memory))} ran out of GPU memory)"
-    if row:
-        detail += f"; published {row[3]:.0f} ({row[4]}): {rate / row[3]:.2f}x"
-    else:
-        detail += "; no published figure for this GPU in tfscale's table"
-    return Check("throughput", PASS, detail)
-
-
 # --- running them --------------------------------------------------------------------------------------------
 
 
 def run_checks(tasks_per_node: int = 0, collective_impl: str = "AUTO", only: list[str] | None = None,
-               fast: bool = False, port_base: int = 0) -> list[Check]:
+               fast: bool = False, port_base: int = 0, data_dir: str = "") -> list[Check]:
     """The checks (all, or those named in `only`; `fast` leaves out SLOW_CHECKS), in order; one that raises is a
     FAIL naming the error, and the others still run."""
     steps: list[tuple[str, Callable[[], Check]]] = [  # called after the set-up below
@@ -315,7 +240,7 @@ def run_checks(tasks_per_node: int = 0, collective_impl: str = "AUTO", only: lis
         ("float16-step", lambda: check_float16_step(cluster, gpus)),
         ("dali", lambda: check_dali(gpus)),
         ("gpu-bandwidth", lambda: check_gpu_bandwidth(gpus)),
-        ("throughput", lambda: check_throughput(cluster, gpus)),
+        ("throughput", lambda: check_throughput(cluster, gpus, data_dir, tasks_per_node or 1)),
     ]
     assert tuple(name for name, _ in steps) == CHECK_NAMES
     unknown = set(only or ()) - set(CHECK_NAMES)
@@ -365,6 +290,8 @@ def _define_flags() -> None:
     flags.DEFINE_list("only", [], "Run only these checks (comma-separated names; default: all).")
     flags.DEFINE_integer("port_base", 0, "The all-reduce check's two worker ports on this node: port_base and the "
                          "next one (0: two free ports; in a Slurm step, the step's own, as training derives them).")
+    flags.DEFINE_string("data_dir", "", "TFRecord shards of the training data: throughput also times tfscale's input "
+                        "pipeline on one task's share of the CPUs, and fails when it cannot feed the GPU.")
     flags.DEFINE_bool("fast", False, f"Skip the checks that compile ResNet-50 ({', '.join(SLOW_CHECKS)}).")
 
 
@@ -372,7 +299,7 @@ def _doctor(f: flags.FlagValues) -> None:
     logs.configure()
     logging.set_verbosity(logging.WARNING)  # one line per check; tfscale's INFO lines would bury them
     print(f"tfscale-doctor on {os.uname().nodename}: {versions_line()}", flush=True)
-    checks = run_checks(f.tasks_per_node, f.collective_impl, f.only, f.fast, f.port_base)
+    checks = run_checks(f.tasks_per_node, f.collective_impl, f.only, f.fast, f.port_base, f.data_dir)
     print(summary_line(checks), flush=True)
     if f.json:
         io.write_json(f.json, {"host": os.uname().nodename, "checks": [dataclasses.asdict(c) for c in checks]})

@@ -1,6 +1,6 @@
 """Measurements tfscale-doctor makes on a node's devices: all-reduce time as nccl-tests takes it, the memory
-TensorFlow's process holds on a GPU as the CUDA driver reports it, tfscale's ResNet-50 step, and a batch
-decoded by DALI.
+TensorFlow's process holds on a GPU as the CUDA driver reports it, tfscale's ResNet-50 step, the rate of its
+ImageNet input pipeline on the node's CPUs, and a batch decoded by DALI.
 
 Each returns numbers; tfscale.perf.doctor turns them into PASS/FAIL. They run on CPU devices too (the tests),
 except `gpu_memory_bytes`, which needs a GPU and TensorFlow's CUDA runtime.
@@ -20,8 +20,8 @@ import tensorflow as tf
 
 from tfscale import config as tfs_config
 from tfscale.config import validation
-from tfscale.data.input import loaders
-from tfscale.perf import benchmark
+from tfscale.data.input import info, loaders
+from tfscale.perf import baselines, benchmark
 from tfscale.training import engine
 
 MAX_CHAINED_ALL_REDUCES = 20  # sums of ones grow by the device count each call: 16**20 stays finite in float32
@@ -94,6 +94,21 @@ def resnet50_steps(cluster, precision: str, image_size: int, batch: int, num_ste
             seconds.append(time.perf_counter() - start)
     scale = float(optimizer.dynamic_scale) if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None
     return {"losses": losses, "step_s": seconds[warmup_steps:], "first_step_s": seconds[0], "loss_scale": scale}
+
+
+def input_images_per_sec(data_dir: str, per_gpu_batch: int, threads: int, warmup_batches: int,
+                         timed_batches: int) -> float:
+    """images/sec of one task's training input: the ResNet-50 ImageNet recipe's pipeline (configs/r50_1gpu.py:
+    decode, random-resized crop, flip, 224 px) reading the TFRecord shards in `data_dir` with a private pool of
+    `threads` threads, as a worker with that share of the node's CPUs reads them."""
+    from tfscale.configs import r50_1gpu
+
+    cfg = r50_1gpu.get_config()
+    cfg.data.data_dir, cfg.data.global_batch_size, cfg.data.private_threads = data_dir, per_gpu_batch, threads
+    info.adopt(cfg.data, info.facts(cfg.data))  # the shards' own counts and classes
+    validation.validate(cfg)
+    return baselines.dataset_images_per_sec(baselines.tfscale_input(cfg), warmup_batches=warmup_batches,
+                                            timed_batches=timed_batches)
 
 
 def jpeg_batch(count: int = 8) -> list[np.ndarray]:
