@@ -17,7 +17,7 @@ from conftest import REPO, load_config, run_cli
 from tfscale import config as tfs_config
 from tfscale.cluster import devices, driver, horovod_start
 from tfscale.config import ConfigError, validation
-from tfscale.training import engine
+from tfscale.training import step_choices
 from tfscale.workdir import layout
 
 FAKE_GPUS = os.path.join(REPO, "tests", "helpers", "fake_gpus.py")
@@ -321,7 +321,7 @@ CPUS = ["/job:localhost/replica:0/task:0/device:CPU:0"]
 def test_jit_compile_auto_is_decided_by_the_replicas_and_the_config(overrides, devices, want, caplog):
     cfg = load_config("smoke", *overrides)
     with caplog.at_level("INFO"):
-        engine.resolve_jit_compile(cfg, devices)
+        step_choices.resolve_jit_compile(cfg, devices)
     assert cfg.jit_compile is want
     validation.validate(cfg)  # a decided config is a valid one: no XLA conflict is ever chosen
     if "--config.jit_compile" not in " ".join(overrides):
@@ -331,7 +331,7 @@ def test_jit_compile_auto_is_decided_by_the_replicas_and_the_config(overrides, d
 def test_jit_compile_auto_names_why_it_chose_no_xla(caplog):
     cfg = load_config("smoke", "--config.distribute.pack_bytes=65536")
     with caplog.at_level("INFO"):
-        engine.resolve_jit_compile(cfg, GPUS)
+        step_choices.resolve_jit_compile(cfg, GPUS)
     assert ("config.jit_compile=auto -> False: config.distribute.pack_bytes=65536 asks for gradient buckets sent while "
             "the backward pass runs") in caplog.text
 

@@ -14,7 +14,7 @@ from conftest import load_config, read_jsonl, run_cli
 
 from tfscale import config as tfs_config
 from tfscale.config import validation
-from tfscale.training import engine
+from tfscale.training import step_choices
 from tfscale.workdir import layout
 
 RECIPES = ("r50_1gpu", "r50_8gpu", "r50_32gpu")
@@ -53,12 +53,12 @@ def test_the_default_gpu_run_is_float32_with_xla_and_one_message(recipe, tmp_pat
     # recipe, XLA-compiled (Keras 3's BatchNorm is fused only then), the gradients as one message after the
     # backward pass (no buckets: nothing leaves an XLA call before it ends).
     cfg = load_config(recipe, f"--config.data.data_dir={tmp_path}")
-    engine.resolve_jit_compile(cfg, GPU_REPLICA)
+    step_choices.resolve_jit_compile(cfg, GPU_REPLICA)
     assert (cfg.precision, cfg.jit_compile, cfg.distribute.pack_bytes) == ("float32", True, 0)
     validation.validate(cfg)
     assert validation.bucket_warning(cfg) is None
     on_cpu = load_config(recipe, f"--config.data.data_dir={tmp_path}")
-    engine.resolve_jit_compile(on_cpu, CPU_REPLICA)
+    step_choices.resolve_jit_compile(on_cpu, CPU_REPLICA)
     assert on_cpu.jit_compile is False  # Keras' compile leaves XLA off on CPU-only machines too
 
 

@@ -374,3 +374,69 @@ def test_the_comparison_in_docs_scaling_md_is_what_the_command_prints():
     summary = next(line for line in committed.splitlines() if "median absolute error" in line)
     median, worst = map(float, re.search(r"median absolute error (\d+\.\d) .*worst (\d+\.\d)", summary).groups())
     assert math.isfinite(median) and median <= worst
+
+
+# --- distribute.pack_bytes=auto -------------------------------------------------------------------------------
+
+
+def test_pack_bytes_auto_is_the_planners_bucket_for_the_jobs_system_and_size(tmp_path):
+    auto = ("--config.distribute.pack_bytes=auto", "--config.distribute.plan_system=a100_eth_25g",
+            f"--config.data.data_dir={tmp_path}")
+    cfg = load_config("r50_32gpu", *auto, "--config.jit_compile=False")
+    size, why = plan.auto_pack_bytes(cfg, 32)
+    one_message = load_config("r50_32gpu", "--config.jit_compile=False", f"--config.data.data_dir={tmp_path}")
+    workload = plan.workload_from_config(one_message, per_gpu_batch=128)
+    best, exposed_s = plan_model.best_bucket_bytes(workload, plan.resolve_system("a100_eth_25g", "resnet50", 128), 32)
+    assert size == best > 0
+    assert why == (f"tfscale-plan's bucket for a100_eth_25g at 32 GPUs, {exposed_s * 1e3:.1f} ms of all-reduce left "
+                   "exposed a step")
+    # Where buckets cannot help, one message, and why.
+    xla = load_config("r50_32gpu", *auto, "--config.jit_compile=True")
+    assert plan.auto_pack_bytes(xla, 32) == (0, "jit_compile=True: no gradient leaves an XLA call before the backward "
+                                                "pass ends, so one message")
+    assert plan.auto_pack_bytes(cfg, 1) == (0, "one replica: nothing to all-reduce")
+    no_system = load_config("r50_32gpu", "--config.distribute.pack_bytes=auto", "--config.jit_compile=False",
+                            f"--config.data.data_dir={tmp_path}")
+    assert plan.auto_pack_bytes(no_system, 32)[0] == 0
+    assert "no config.distribute.plan_system to plan buckets for" in plan.auto_pack_bytes(no_system, 32)[1]
+    sync_bn = load_config("r50_32gpu", *auto, "--config.jit_compile=False", "--config.model.sync_bn=True")
+    size, why = plan.auto_pack_bytes(sync_bn, 32)
+    assert size == 0 and "could not overlap" in why and "synchronized BatchNorm" in why
+
+
+def test_pack_bytes_auto_leaves_xla_on_and_anything_else_is_refused_by_name():
+    from tfscale.config import ConfigError, validation
+
+    cfg = load_config("smoke", "--config.distribute.pack_bytes=auto")
+    assert validation.xla_conflict(cfg) is None and validation.bucket_warning(cfg) is None
+    with pytest.raises(ConfigError, match=r"config.distribute.pack_bytes must be >= 0 .* or 'auto', got 'big'"):
+        validation.validate(load_config("smoke", "--config.distribute.pack_bytes=big"))
+
+
+def test_a_run_with_pack_bytes_auto_says_what_it_chose_and_records_it(tmp_path):
+    # Two CPU replicas of one process, planned as the system in a JSON file: the start-up line, config.json.
+    system = {"gpus_per_node": 2, "gpu_images_per_sec": 500.0, "intra_node_GBps": 1.0, "intra_node_latency_us": 50.0,
+              "inter_node_GBps": 1.0, "inter_node_latency_us": 50.0}
+    (tmp_path / "bed.json").write_text(json.dumps(system))
+    workdir = tmp_path / "run"
+    result = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}", "--config.train.epochs=1",
+                     "--config.schedule.warmup_epochs=0", "--config.train.eval_every_epochs=1",
+                     "--config.distribute.backend=mirrored", "--config.distribute.num_cpu_devices=2",
+                     "--config.distribute.pack_bytes=auto", f"--config.distribute.plan_system={tmp_path / 'bed.json'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    recorded = json.loads((workdir / "config.json").read_text())
+    chosen = recorded["distribute"]["pack_bytes"]
+    assert isinstance(chosen, int) and chosen in plan_model.BUCKET_CANDIDATES and recorded["jit_compile"] is False
+    assert f"config.distribute.pack_bytes=auto -> {chosen}: tfscale-plan's bucket for bed at 2 GPUs" in result.stderr
+
+
+def test_tfscale_plan_with_pack_bytes_auto_plans_with_the_bucket_it_advises(tmp_path):
+    result = run_cli("tfscale.perf.plan", "--config=r50_32gpu", f"--config.data.data_dir={tmp_path}",
+                     "--config.distribute.pack_bytes=auto", "--config.jit_compile=False", "--system=a100_eth_25g")
+    assert result.returncode == 0, result.stderr[-3000:]
+    chosen = re.search(r"distribute.pack_bytes=auto -> (\d+): tfscale-plan's bucket for a100_eth_25g at 64 GPUs, "
+                       r"([\d.]+) ms of all-reduce left exposed a step", result.stdout)
+    advised = re.search(r"distribute.pack_bytes=(\d+) exposes the least all-reduce at 64 GPUs: ([\d.]+) ms a step",
+                        result.stdout)
+    assert chosen and advised and chosen.groups() == advised.groups()
+    assert f"in buckets of {int(chosen[1]) >> 20} MiB as they fill" in result.stdout  # the table plans with them

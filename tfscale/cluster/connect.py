@@ -41,6 +41,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
+from tfscale.config import validation
 from tfscale.errors import EXIT_CLUSTER_UNAVAILABLE, ClusterUnavailable
 
 # How much later than `connect_timeout_s` the watchdog steps in when TensorFlow times out the
@@ -305,7 +306,7 @@ def _communication_options(dist_cfg: ml_collections.ConfigDict,
                            implementation: str) -> tf.distribute.experimental.CommunicationOptions:
     """MWMS's all-reduce options; `implementation` is `devices.collective_implementation`'s choice (AUTO resolved)."""
     return tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=dist_cfg.pack_bytes,
+        bytes_per_pack=validation.fixed_pack_bytes(dist_cfg),  # auto: tfscale's own buckets, sized at start
         timeout_seconds=dist_cfg.collective_timeout_s or None,
         implementation=getattr(tf.distribute.experimental.CommunicationImplementation, implementation),
     )

@@ -42,7 +42,7 @@ from tfscale.cluster.collectives import Collectives, HorovodCollectives, InputFn
 from tfscale.cluster.slurm_env import (CONCURRENT_SLURM_STEPS, PORTS_PER_SLURM_STEP, SLURM_PORT_RANGE,  # noqa: F401
                                        expand_hostlist, expand_tasks_per_node, slurm_num_tasks, slurm_port_base,
                                        slurm_tf_config)
-from tfscale.config import BACKENDS
+from tfscale.config import BACKENDS, validation
 from tfscale.config.rules import num_households
 
 
@@ -80,6 +80,10 @@ class Cluster:
         rank gradients (hvd.Average), so each rank divides by its own batch.
         """
         return global_batch_size // self.size if self._collectives.averages_gradients else global_batch_size
+
+    def set_bucket_bytes(self, bucket_bytes: int) -> None:
+        """Gradients from now on in buckets of this many bytes (`distribute.pack_bytes=auto`, decided at start)."""
+        self._collectives.bucket_bytes = bucket_bytes
 
     def reduce_gradients(self, grads: list[tf.Tensor | None]) -> list[tf.Tensor | None]:
         """The step's one gradient all-reduce (call inside a replica step): tf.distribute sums the replicas'
@@ -179,7 +183,8 @@ def _strategy_cluster(dist_cfg: ml_collections.ConfigDict, strategy: tf.distribu
         num_replicas=strategy.num_replicas_in_sync,
         host=socket.gethostname(),
         all_reduce=_strategy_all_reduce(dist_cfg.backend, strategy.num_replicas_in_sync, implementation),
-        _collectives=StrategyCollectives(strategy, dist_cfg.device_prefetch_batches, bucket_bytes=dist_cfg.pack_bytes,
+        _collectives=StrategyCollectives(strategy, dist_cfg.device_prefetch_batches,
+                                         bucket_bytes=validation.fixed_pack_bytes(dist_cfg),
                                          household_size=_household_size(dist_cfg, strategy.num_replicas_in_sync),
                                          communication_hint=devices.communication_hint(implementation)),
     )
@@ -224,7 +229,7 @@ def _horovod_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
         host=socket.gethostname(),
         all_reduce=_horovod_all_reduce(hvd, num_gpus, dist_cfg.horovod_fp16_allreduce),
         _collectives=HorovodCollectives(hvd, strategy, fp16_allreduce=dist_cfg.horovod_fp16_allreduce,
-                                        bucket_bytes=dist_cfg.pack_bytes,
+                                        bucket_bytes=validation.fixed_pack_bytes(dist_cfg),
                                         device_prefetch_batches=dist_cfg.device_prefetch_batches,
                                         household=_horovod_household(hvd, dist_cfg)),
     )

@@ -142,7 +142,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribute.collective_timeout_s = 0.0  # abort any single all-reduce after this long (0: no limit)
     c.distribute.collective_impl = "AUTO"  # AUTO (NCCL where the worker has a GPU, else rings) | RING | NCCL
     c.distribute.device_prefetch_batches = 2  # batches per replica copied to the GPU ahead of the step (tf.distribute InputOptions)
-    c.distribute.pack_bytes = 0  # gradients all-reduced in packs (MWMS) / buckets (Horovod) of this many bytes, the last layer's first, each sent while the backward pass goes on (0: one message after it)
+    # gradients all-reduced in buckets of this many bytes, the last layer's first, each sent while the backward pass
+    # goes on (0: one message after it; auto: tfscale-plan's best size for distribute.plan_system at the job's size,
+    # 0 under XLA, decided at start and logged)
+    c.distribute.pack_bytes = ml_collections.FieldReference(0, field_type=object)
+    c.distribute.plan_system = ""  # pack_bytes=auto plans for this: a system of tfscale-plan --system, or its JSON file
     c.distribute.port_base = 0  # Slurm without TF_CONFIG: first worker port on each node (0: derived from SLURM_JOB_ID and SLURM_STEP_ID)
     c.distribute.horovod_fusion_bytes = 0  # horovod: tensor-fusion buffer, HOROVOD_FUSION_THRESHOLD (0: 128 MiB)
     c.distribute.horovod_cycle_time_ms = 0.0  # horovod: wait to fuse tensors, HOROVOD_CYCLE_TIME (0: Horovod's)

@@ -17,7 +17,7 @@ from tfscale.config import rules
 from tfscale.config.derived import eval_global_batch_size, profile_window
 from tfscale.config.names import (ASSIGNMENT_LEVELS, ASSIGNMENT_SCHEMES, AUGMENTS, AUTO_LABEL_OFFSET, BACKENDS,
                                   BATCH_AUGMENTS, BENCHMARK_MODES, CONVERT_HINT, DALI_DECODES, DALI_INSTALL_HINT,
-                                  DATASETS, JIT_AUTO, LARGE_BATCH_WITHOUT_LARS, LOADERS, MODEL_NAMES, OPTIMIZERS, PRECISIONS,
+                                  DATASETS, JIT_AUTO, LARGE_BATCH_WITHOUT_LARS, PACK_AUTO, LOADERS, MODEL_NAMES, OPTIMIZERS, PRECISIONS,
                                   SHUFFLES, SYNTHETIC_DATASETS)
 from tfscale.errors import ConfigError
 
@@ -144,9 +144,10 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
     _check_jit_compile(cfg.jit_compile)
     _check_xla_sync_bn(cfg)
     _check_horovod_fp16(cfg)
-    if cfg.distribute.pack_bytes < 0:
-        raise ConfigError(f"config.distribute.pack_bytes must be >= 0 (0: one message after the backward pass), got "
-                          f"{cfg.distribute.pack_bytes}")
+    pack = cfg.distribute.pack_bytes
+    if not (pack == PACK_AUTO or (isinstance(pack, int) and not isinstance(pack, bool) and pack >= 0)):
+        raise ConfigError(f"config.distribute.pack_bytes must be >= 0 (0: one message after the backward pass) or "
+                          f"{PACK_AUTO!r}, got {pack!r}")
     if bucket_warning(cfg):
         logging.warning("%s", bucket_warning(cfg))
     eval_batch = eval_global_batch_size(cfg.data)
@@ -184,7 +185,7 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
 def xla_conflict(cfg: ml_collections.ConfigDict) -> str | None:
     """What in `cfg` XLA cannot give (None: nothing). `jit_compile=auto` then runs without XLA: the key the
     user set wins over a default."""
-    if cfg.distribute.pack_bytes > 0:
+    if fixed_pack_bytes(cfg.distribute) > 0:  # auto follows XLA's choice instead
         return (f"config.distribute.pack_bytes={cfg.distribute.pack_bytes} asks for gradient buckets sent while the "
                 "backward pass runs, and inside one XLA call no gradient leaves before the pass ends (set "
                 "jit_compile=True and pack_bytes=0 to prefer XLA's compute)")
@@ -192,6 +193,11 @@ def xla_conflict(cfg: ml_collections.ConfigDict) -> str | None:
         return ("config.model.sync_bn=True under mwms all-reduces BatchNorm statistics across workers inside the "
                 "step, which XLA cannot compile")
     return None
+
+
+def fixed_pack_bytes(dist_cfg: ml_collections.ConfigDict) -> int:
+    """`distribute.pack_bytes` as set, 0 while it is still `auto` (decided once the job's size is known)."""
+    return 0 if dist_cfg.pack_bytes == PACK_AUTO else dist_cfg.pack_bytes
 
 
 def resolve_jit_compile(cfg: ml_collections.ConfigDict, *, on_gpus: bool) -> None:
@@ -228,7 +234,7 @@ def _check_jit_compile(value) -> None:
 def bucket_warning(cfg: ml_collections.ConfigDict) -> str | None:
     """Why `distribute.pack_bytes` buckets cannot overlap the backward pass in this config (None: they can, or
     there are none). The planner predicts no overlap for such a config either."""
-    pack = cfg.distribute.pack_bytes
+    pack = fixed_pack_bytes(cfg.distribute)
     if pack <= 0:
         return None
     if cfg.jit_compile is True:  # auto is decided at start, and buckets turn it off (xla_conflict)

@@ -14,6 +14,7 @@ plan.json and plan.png to --output_dir. The model itself: tfscale.perf.plan_mode
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -22,6 +23,7 @@ import sys
 
 from tfscale import cli, errors, io
 from tfscale.config import validation
+from tfscale.config.names import PACK_AUTO
 from tfscale.perf import plan_band, scaling
 from tfscale.perf.plan_model import System, Workload, best_bucket_bytes, default_gpu_counts, keras_update_ops, predict
 
@@ -169,6 +171,33 @@ def bucket_advice(cfg, workload: Workload, system: System, num_gpus: int) -> str
     return f"distribute.pack_bytes={size} exposes the least all-reduce at {num_gpus} GPUs: {exposed_s * 1e3:.1f} ms a step"
 
 
+def auto_pack_bytes(cfg, num_gpus: int, per_gpu_batch: int | None = None) -> tuple[int, str]:
+    """`distribute.pack_bytes=auto` for a job of `num_gpus` replicas of `per_gpu_batch` images (default: the
+    global batch split over them): (bytes, why), the bucket size of `bucket_advice` for `distribute.plan_system`,
+    or 0 (one message) where buckets cannot help."""
+    if cfg.jit_compile:
+        return 0, "jit_compile=True: no gradient leaves an XLA call before the backward pass ends, so one message"
+    if num_gpus < 2:
+        return 0, "one replica: nothing to all-reduce"
+    if not cfg.distribute.plan_system:
+        return 0, ("no config.distribute.plan_system to plan buckets for (a system of tfscale-plan --system, or its "
+                   "JSON file), so one message")
+    unbucketed = copy.deepcopy(cfg)
+    unbucketed.distribute.pack_bytes = 0
+    workload = workload_from_config(unbucketed, per_gpu_batch=per_gpu_batch or cfg.data.global_batch_size // num_gpus)
+    system = resolve_system(cfg.distribute.plan_system, workload.model, workload.per_gpu_batch)
+    if system.gpu_images_per_sec <= 0:
+        return 0, (f"{system.name} has no one-GPU rate for {workload.model} at {workload.per_gpu_batch} per GPU "
+                   "(give gpu_images_per_sec in its JSON file), so one message")
+    size, exposed_s = best_bucket_bytes(workload, system, num_gpus)
+    unbucketed.distribute.pack_bytes = size
+    reason = validation.bucket_warning(unbucketed)
+    if reason:
+        return 0, f"buckets of {size} bytes could not overlap: {reason}"
+    return size, (f"tfscale-plan's bucket for {system.name} at {num_gpus} GPUs, {exposed_s * 1e3:.1f} ms of all-reduce "
+                  "left exposed a step")
+
+
 def fail(message: str) -> None:
     sys.exit(f"tfscale-plan: {message}")
 
@@ -246,6 +275,12 @@ def _read_report(path: str, key: str) -> dict:
 
 def run_plan(cfg, flags_) -> list[dict]:
     validation.resolve_jit_compile(cfg, on_gpus=True)  # as a GPU worker will: it decides whether buckets overlap
+    if cfg.distribute.pack_bytes == PACK_AUTO:  # as the job would decide it at the largest count planned
+        cfg.distribute.plan_system = cfg.distribute.plan_system or flags_.system
+        largest = max([int(n) for n in flags_.gpus] or [flags_.max_gpus])
+        per_gpu_batch = flags_.per_gpu_batch or cfg.data.max_per_replica_batch_size or cfg.data.global_batch_size
+        cfg.distribute.pack_bytes, why = auto_pack_bytes(cfg, largest, per_gpu_batch)
+        print(f"tfscale-plan: distribute.pack_bytes=auto -> {cfg.distribute.pack_bytes}: {why}")
     workload = workload_from_config(cfg, per_gpu_batch=flags_.per_gpu_batch)
     system = resolve_system(flags_.system, workload.model, workload.per_gpu_batch)
     overrides = measured_overrides(flags_.benchmark_json, flags_.allreduce_json, workload)

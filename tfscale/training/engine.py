@@ -31,7 +31,6 @@ from absl import logging
 
 from tfscale import cli
 from tfscale import config as tfs_config
-from tfscale import errors
 from tfscale.cluster import distribute
 from tfscale.config import validation
 from tfscale.data.input import info as data_info
@@ -40,6 +39,7 @@ from tfscale.data.stage import prepare
 from tfscale.launch import launcher_death
 from tfscale.model import build, optim, stats
 from tfscale.model import update as compiled_update
+from tfscale.training import step_choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +68,11 @@ def join(cfg: ml_collections.ConfigDict) -> distribute.Cluster:
     data_info.check_tfds_counts(cfg.data, found)
     build.check(cfg)  # a model tfscale did not define is built once, in a graph of its own, before connecting
     cluster = distribute.setup(cfg.distribute)
-    resolve_jit_compile(cfg, cluster.strategy.extended.worker_devices)
+    step_choices.resolve_jit_compile(cfg, cluster.strategy.extended.worker_devices)
+    step_choices.resolve_pack_bytes(cfg, cluster)
     validation.validate(cfg, num_replicas=cluster.num_replicas)
     data_info.check_tfds_files(cfg.data, num_workers=cluster.size)
-    _check_xla_sync_bn_devices(cfg, cluster.strategy.extended.worker_devices)
+    step_choices.check_xla_sync_bn_devices(cfg, cluster.strategy.extended.worker_devices)
     return cluster
 
 
@@ -85,29 +86,6 @@ def with_data(cfg: ml_collections.ConfigDict, cluster: distribute.Cluster) -> Ru
         worker_ranks=(cluster.rank,), num_workers=cluster.size,
     )
     return Run(cfg=cfg, cluster=cluster, steps=tfs_config.to_steps(cfg, num_workers=cluster.size), data_dir=data_dir)
-
-
-def resolve_jit_compile(cfg: ml_collections.ConfigDict, worker_devices) -> None:
-    """`jit_compile="auto"` decided for this worker's replicas (`validation.resolve_jit_compile`)."""
-    on_gpus = all(tf.DeviceSpec.from_string(device).device_type == "GPU" for device in worker_devices)
-    validation.resolve_jit_compile(cfg, on_gpus=on_gpus)
-
-
-def _check_xla_sync_bn_devices(cfg: ml_collections.ConfigDict, worker_devices) -> None:
-    """Synchronized BatchNorm inside an XLA-compiled step needs GPU replicas (config refuses it for mwms).
-
-    MirroredStrategy all-reduces inside XLA without a merge_call only when every device is a GPU
-    (tensorflow/python/distribute/mirrored_strategy.py `_use_merge_call`); on CPU devices the step
-    fails at trace time with "`merge_call` called while defining a new graph" (measured).
-    """
-    replicas = list(worker_devices)
-    if not (cfg.model.sync_bn and cfg.jit_compile and len(replicas) > 1):
-        return
-    if not all(tf.DeviceSpec.from_string(device).device_type == "GPU" for device in replicas):
-        raise errors.ConfigError(
-            f"config.model.sync_bn=True with config.jit_compile=True on replicas {', '.join(replicas)}: synchronized "
-            "BatchNorm can all-reduce inside an XLA-compiled step only between GPUs. Set config.jit_compile=False "
-            "or config.model.sync_bn=False")
 
 
 # --- model and optimizer ----------------------------------------------------------------------------
@@ -203,7 +181,7 @@ def make_loss_and_grads(cfg, cluster, model, optimizer, *, local: bool = False):
         loss_share = tf.reduce_sum(per_example) / global_batch_size
         return loss_share, tape.gradient(scaled, model.trainable_variables)
 
-    resolve_jit_compile(cfg, cluster.strategy.extended.worker_devices)  # done by `join` unless a tool skipped it
+    step_choices.resolve_jit_compile(cfg, cluster.strategy.extended.worker_devices)  # done by `join` unless a tool skipped it
     if cfg.jit_compile:
         # XLA compiles forward + backward only: the iterator and the cross-replica gradient
         # all-reduce inside apply_gradients cannot live in an XLA cluster.

@@ -54,7 +54,7 @@ SAFE_TO_CHANGE = (
     "jit_compile", "optim.compiled_update",  # how a step runs, not what it computes
     "distribute.backend", "distribute.num_cpu_devices",  # another worker count, the same global batch
     "distribute.log_all_ranks", "distribute.*_timeout_s", "distribute.collective_impl",
-    "distribute.device_prefetch_batches", "distribute.pack_bytes", "distribute.port_base",
+    "distribute.device_prefetch_batches", "distribute.pack_bytes", "distribute.plan_system", "distribute.port_base",
     "distribute.horovod_fusion_bytes", "distribute.horovod_cycle_time_ms",
     "schedule.decay_fractions",  # resolved into schedule.decay_epochs, which is compared
 )
