@@ -154,6 +154,11 @@ bench-fit: venv
 	  --config.benchmark.mode=train --config.benchmark.compare_keras_fit=True --config.data.dataset=synthetic_learnable \
 	  --config.benchmark.num_batches=40 --config.benchmark.num_warmup_batches=5 --config.benchmark.rounds=5
 
+# Time to accuracy on Fashion-MNIST: configs/fmnist_resnet.py vs a plain Keras fit script (tools/keras_fmnist.py), each
+# from process start to the test top-1 both reach, rounds interleaved (~10 minutes a round on 2 CPU cores).
+bench-tta: venv fashion-mnist
+	$(PY) tools/bench_time_to_accuracy.py --workdir=runs/tta --rounds=3
+
 # 1 vs 10 training steps per host sync (train.steps_per_loop), CIFAR ResNet-8 at batch 32, one process.
 bench-loop: venv
 	$(PY) tools/bench_loop.py --model=cifar_resnet8 --batch=32 --steps=200 --rounds=3 --output=runs/bench_loop.json

@@ -119,3 +119,18 @@ def test_soak_survives_a_fault_and_ends_with_the_reference_weights(tmp_path):
     report = json.loads((tmp_path / "soak.json").read_text())
     assert report["cycles"] == 1 and report["failures"] == [], result.stdout
     assert report["final"]["weights_equal"] and report["final"]["rows_unique_and_complete"], report["final"]
+
+
+@pytest.mark.slow
+def test_bench_tta_runs_both_from_process_start_and_prints_the_paired_ratio(tmp_path):
+    # Shrunk to 1,600 real Fashion-MNIST images and 2 epochs: the plumbing and the report, not the figures.
+    result = run_target("bench-tta", f"--workdir={tmp_path}", "--rounds=1", "--epochs=2", "--train_examples=1600",
+                        "--tfscale_args=--config.schedule.warmup_epochs=0.5 --config.schedule.decay_epochs=(1,)")
+    (row,) = json.loads((tmp_path / "tta.json").read_text())["rounds"]
+    assert [epoch for epoch, _ in enumerate(row["curves"]["keras"], 1)] == [1, 2]
+    assert len(row["curves"]["tfscale"]) == 2  # an eval after each epoch, seconds since its process started
+    assert row["target_top1"] == min(row["keras_final_top1"], row["tfscale_final_top1"]) > 0.1  # above chance
+    assert 0 < row["keras_to_target_s"] <= row["keras_total_s"] and 0 < row["tfscale_to_target_s"] <= row["tfscale_total_s"]
+    assert row["ratio_to_target"] == round(row["tfscale_to_target_s"] / row["keras_to_target_s"], 3)
+    assert f"median over 1 rounds: time to the round's common top-1 tfscale / keras = {row['ratio_to_target']:.3f}" \
+        in result.stdout
