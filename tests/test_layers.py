@@ -22,6 +22,8 @@ FLOORS = [
     ["perf", "study", "export"],
     # the run: its loop, step, schedule controller, callbacks and checkpoints
     ["training"],
+    # the scaling planner's model: the run sizes distribute.pack_bytes=auto with it, tfscale-plan prints it
+    ["planning"],
     # data, three wings each importing only the wings below it: staging reads input's shard lists,
     # input reads the converter's index files; none reads upward
     ["data.stage"],

@@ -10,8 +10,9 @@ import re
 import pytest
 from conftest import REPO, load_config, run_cli
 
-from tfscale.perf import allreduce_bench, plan, plan_band, plan_model
-from tfscale.perf.plan_model import System, Workload
+from tfscale.perf import allreduce_bench, plan
+from tfscale.planning import plan_band, plan_model, plan_workload
+from tfscale.planning.plan_model import System, Workload
 
 SYSTEM = System(name="test", gpus_per_node=4, gpu_images_per_sec=400.0, intra_node_GBps=12.0,
                 intra_node_latency_us=5.7, inter_node_GBps=3.0, inter_node_latency_us=14.0)
@@ -141,14 +142,14 @@ def test_buckets_go_when_full_and_after_the_bucket_before():
 
 def test_the_config_says_whether_its_buckets_overlap():
     layers = ((4_000, 1e9), (8_000, 2e9))
-    assert plan.workload_from_config(load_config("r50_32gpu", "--config.distribute.pack_bytes=4194304"),
+    assert plan_workload.workload_from_config(load_config("r50_32gpu", "--config.distribute.pack_bytes=4194304"),
                                      layers=layers).overlap == "buckets"
-    assert plan.workload_from_config(load_config("r50_32gpu:xla", "--config.distribute.pack_bytes=4194304"),
+    assert plan_workload.workload_from_config(load_config("r50_32gpu:xla", "--config.distribute.pack_bytes=4194304"),
                                      layers=layers).overlap == "none"
     # MWMS with synchronized BatchNorm: the first bucket waits for the backward pass's BatchNorm all-reduces.
     sync_bn = ("--config.distribute.pack_bytes=4194304", "--config.model.sync_bn=True")
-    assert plan.workload_from_config(load_config("r50_32gpu", *sync_bn), layers=layers).overlap == "none"
-    assert plan.workload_from_config(load_config("r50_32gpu", *sync_bn, "--config.distribute.backend=horovod",
+    assert plan_workload.workload_from_config(load_config("r50_32gpu", *sync_bn), layers=layers).overlap == "none"
+    assert plan_workload.workload_from_config(load_config("r50_32gpu", *sync_bn, "--config.distribute.backend=horovod",
                                                  "--config.model.sync_bn=False"), layers=layers).overlap == "buckets"
 
 
@@ -180,7 +181,7 @@ def test_eval_and_checkpoint_share_of_the_wall_time():
 
 def test_r50_32gpu_spends_under_2_percent_on_eval_and_checkpoints():
     cfg = load_config("r50_32gpu:amp")
-    w = plan.workload_from_config(cfg, layers=((102_228_128, 4.1e9),), batchnorm_bytes=212_000)
+    w = plan_workload.workload_from_config(cfg, layers=((102_228_128, 4.1e9),), batchnorm_bytes=212_000)
     a100 = dataclasses.replace(SYSTEM, gpus_per_node=8, gpu_images_per_sec=2600.0)  # NVIDIA's published AMP rate
     for gpus in (8, 32, 256):
         assert plan_model.predict_point(w, a100, gpus)["eval_checkpoint_share"] < 0.02
@@ -189,11 +190,11 @@ def test_r50_32gpu_spends_under_2_percent_on_eval_and_checkpoints():
 def test_keras_update_launches_its_ops_after_the_all_reduce_the_compiled_one_does_not():
     cfg = load_config("r50_32gpu:amp", "--config.optim.compiled_update=False")
     layers = ((102_228_128, 4.1e9),)
-    keras = plan.workload_from_config(cfg, layers=layers, num_variables=161)
-    compiled = plan.workload_from_config(load_config("r50_32gpu:amp"), layers=layers, num_variables=161)
+    keras = plan_workload.workload_from_config(cfg, layers=layers, num_variables=161)
+    compiled = plan_workload.workload_from_config(load_config("r50_32gpu:amp"), layers=layers, num_variables=161)
     # Counted in a traced ResNet-50 mixed_float16 step: 2,342 ops outside XLA against 60 compiled.
     assert (keras.update_ops, compiled.update_ops) == (2342 - 60, 0)
-    assert plan.workload_from_config(load_config("r50_32gpu:amp_bf16", "--config.optim.compiled_update=False"),
+    assert plan_workload.workload_from_config(load_config("r50_32gpu:amp_bf16", "--config.optim.compiled_update=False"),
                                      layers=layers, num_variables=161).update_ops == 1509 - 60  # no loss scaling
     slow, fast = (plan_model.predict_point(w, SYSTEM, 8) for w in (keras, compiled))
     assert slow["update_ms"] == pytest.approx((2342 - 60) * SYSTEM.op_launch_us / 1e3)
@@ -201,7 +202,7 @@ def test_keras_update_launches_its_ops_after_the_all_reduce_the_compiled_one_doe
 
 
 def test_each_part_of_the_step_is_planned_on_and_off():
-    from tfscale.perf import plan_parts
+    from tfscale.planning import plan_parts
 
     w = dataclasses.replace(workload(overlap="none", eval_every_epochs=1, checkpoint_every_epochs=1,
                                      state_bytes=100_000_000), num_variables=100)
@@ -260,12 +261,12 @@ def test_default_gpu_counts():
 
 def test_gradient_bytes_are_the_models_trainable_parameter_bytes():
     cfg = load_config("r50_32gpu")
-    w = plan.workload_from_config(cfg)
+    w = plan_workload.workload_from_config(cfg)
     assert w.gradient_bytes == 25_557_032 * 4  # ResNet-50's trainable parameters (torchvision's count), float32
     assert w.per_gpu_batch == 128 and w.overlap == "none"  # tfscale all-reduces after the backward pass
     horovod_fp16 = load_config("r50_32gpu:amp", "--config.distribute.backend=horovod",
                                "--config.distribute.horovod_fp16_allreduce=True")
-    assert plan.workload_from_config(horovod_fp16, layers=w.layers).wire_factor == 0.5
+    assert plan_workload.workload_from_config(horovod_fp16, layers=w.layers).wire_factor == 0.5
 
 
 def test_the_link_fitted_from_an_allreduce_table_gives_its_times_back():
@@ -285,7 +286,7 @@ def test_a_system_file_with_an_unknown_field_is_named(tmp_path):
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps({**dataclasses.asdict(SYSTEM), "nvlink": True}))
     with pytest.raises(ValueError, match=r"cluster.json: unknown field\(s\) nvlink"):
-        plan.load_system(str(path))
+        plan_workload.load_system(str(path))
 
 
 def test_the_bands_errors_are_the_published_comparisons():
@@ -383,24 +384,24 @@ def test_pack_bytes_auto_is_the_planners_bucket_for_the_jobs_system_and_size(tmp
     auto = ("--config.distribute.pack_bytes=auto", "--config.distribute.plan_system=a100_eth_25g",
             f"--config.data.data_dir={tmp_path}")
     cfg = load_config("r50_32gpu", *auto, "--config.jit_compile=False")
-    size, why = plan.auto_pack_bytes(cfg, 32)
+    size, why = plan_workload.auto_pack_bytes(cfg, 32)
     one_message = load_config("r50_32gpu", "--config.jit_compile=False", f"--config.data.data_dir={tmp_path}")
-    workload = plan.workload_from_config(one_message, per_gpu_batch=128)
-    best, exposed_s = plan_model.best_bucket_bytes(workload, plan.resolve_system("a100_eth_25g", "resnet50", 128), 32)
+    workload = plan_workload.workload_from_config(one_message, per_gpu_batch=128)
+    best, exposed_s = plan_model.best_bucket_bytes(workload, plan_workload.resolve_system("a100_eth_25g", "resnet50", 128), 32)
     assert size == best > 0
     assert why == (f"tfscale-plan's bucket for a100_eth_25g at 32 GPUs, {exposed_s * 1e3:.1f} ms of all-reduce left "
                    "exposed a step")
     # Where buckets cannot help, one message, and why.
     xla = load_config("r50_32gpu", *auto, "--config.jit_compile=True")
-    assert plan.auto_pack_bytes(xla, 32) == (0, "jit_compile=True: no gradient leaves an XLA call before the backward "
+    assert plan_workload.auto_pack_bytes(xla, 32) == (0, "jit_compile=True: no gradient leaves an XLA call before the backward "
                                                 "pass ends, so one message")
-    assert plan.auto_pack_bytes(cfg, 1) == (0, "one replica: nothing to all-reduce")
+    assert plan_workload.auto_pack_bytes(cfg, 1) == (0, "one replica: nothing to all-reduce")
     no_system = load_config("r50_32gpu", "--config.distribute.pack_bytes=auto", "--config.jit_compile=False",
                             f"--config.data.data_dir={tmp_path}")
-    assert plan.auto_pack_bytes(no_system, 32)[0] == 0
-    assert "no config.distribute.plan_system to plan buckets for" in plan.auto_pack_bytes(no_system, 32)[1]
+    assert plan_workload.auto_pack_bytes(no_system, 32)[0] == 0
+    assert "no config.distribute.plan_system to plan buckets for" in plan_workload.auto_pack_bytes(no_system, 32)[1]
     sync_bn = load_config("r50_32gpu", *auto, "--config.jit_compile=False", "--config.model.sync_bn=True")
-    size, why = plan.auto_pack_bytes(sync_bn, 32)
+    size, why = plan_workload.auto_pack_bytes(sync_bn, 32)
     assert size == 0 and "could not overlap" in why and "synchronized BatchNorm" in why
 
 

@@ -46,7 +46,8 @@ sys.path.insert(0, _REPO)  # run from a checkout
 
 from tfscale import config as tfs_config  # noqa: E402
 from tfscale.launch import netbed  # noqa: E402
-from tfscale.perf import plan, plan_model  # noqa: E402
+from tfscale.perf import plan  # noqa: E402
+from tfscale.planning import plan_model, plan_workload  # noqa: E402
 from tfscale.workdir import layout  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/netbed", "Where the runs and the report go.")
@@ -135,7 +136,7 @@ def predict(one_worker_json: str, allreduce_json: str, pack_bytes: int, extra: l
     """tfscale-plan's efficiency of 2 workers, one per host, from the bed's microbenchmarks alone (`system_fields`
     replace what the 1-worker report gives); against the model's 1 worker of that report."""
     cfg = tfs_config.load_config_file(_CONFIG.value, overrides(2, pack_bytes, "synthetic", extra))
-    workload = plan.workload_from_config(cfg, per_gpu_batch=_PER_WORKER_BATCH.value)
+    workload = plan_workload.workload_from_config(cfg, per_gpu_batch=_PER_WORKER_BATCH.value)
     measured = plan.measured_overrides(one_worker_json, allreduce_json, workload)
     system = plan_model.System(
         name="netbed", gpus_per_node=1, gpu_images_per_sec=measured["gpu_images_per_sec"],

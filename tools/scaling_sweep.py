@@ -36,7 +36,8 @@ import make_sbatch  # noqa: E402
 from tfscale import config as tfs_config  # noqa: E402
 from tfscale import errors
 from tfscale.perf import plan  # noqa: E402
-from tfscale.perf import plan_model, scaling
+from tfscale.perf import scaling
+from tfscale.planning import plan_model, plan_workload
 from tfscale.workdir import layout
 
 REPORT_JOB = """#!/bin/bash
@@ -178,7 +179,7 @@ def calibrated_system(done: list[dict], system_arg: str, model: str, batch: int)
     """The plan's System: --system, else the sweep's own one-GPU rate and all-reduce tables."""
     one = next(p for p in done if p["gpus"] == 1)["report"]["total_images_per_sec"]
     if system_arg:
-        system = plan.resolve_system(system_arg, model, batch)
+        system = plan_workload.resolve_system(system_arg, model, batch)
         return dataclasses.replace(system, gpu_images_per_sec=system.gpu_images_per_sec or one)
     per_node = max(p["per_node"] for p in done)
     node = next((p for p in done if p["nodes"] == 1 and p["gpus"] > 1), None)
@@ -197,7 +198,7 @@ def calibrated_system(done: list[dict], system_arg: str, model: str, batch: int)
 
 def report_rows(sweep: dict, done: list[dict], system: plan_model.System) -> list[dict]:
     cfg = tfs_config.load_config_file(sweep["config"], sweep["overrides"])
-    workload = plan.workload_from_config(cfg, per_gpu_batch=sweep["per_gpu_batch"])
+    workload = plan_workload.workload_from_config(cfg, per_gpu_batch=sweep["per_gpu_batch"])
     one = next(p for p in done if p["gpus"] == 1)["report"]["total_images_per_sec"]
     node = next((p for p in done if p["nodes"] == 1 and p["gpus"] == p["per_node"]), None)
     rows = []

@@ -39,7 +39,8 @@ sys.path.insert(0, _REPO)  # run from a checkout
 
 from tfscale import config as tfs_config  # noqa: E402
 from tfscale.perf import plan  # noqa: E402
-from tfscale.perf import plan_model, scaling
+from tfscale.perf import scaling
+from tfscale.planning import plan_model, plan_workload
 from tfscale.workdir import layout
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "Where the runs and the report go.")
@@ -160,7 +161,7 @@ def predicted_row(backend: str, num_workers: int, one_worker: dict, allreduce: d
         name="loopback", gpus_per_node=num_workers, gpu_images_per_sec=one_worker["total_images_per_sec"],
         intra_node_GBps=bandwidth, intra_node_latency_us=latency, inter_node_GBps=bandwidth,
         inter_node_latency_us=latency)
-    row = plan_model.predict(plan.workload_from_config(cfg, per_gpu_batch=_PER_WORKER_BATCH.value), system,
+    row = plan_model.predict(plan_workload.workload_from_config(cfg, per_gpu_batch=_PER_WORKER_BATCH.value), system,
                              [num_workers])[0]
     return {"backend": backend, "workers": num_workers, "link_GBps": bandwidth, "latency_us": latency,
             "predicted_images_per_sec": row["images_per_sec"], "predicted_efficiency": row["speedup"] / num_workers}

@@ -13,6 +13,7 @@ from tfscale import errors
 from tfscale.cluster import distribute
 from tfscale.config import validation
 from tfscale.config.names import PACK_AUTO
+from tfscale.planning import plan_workload
 
 
 def resolve_jit_compile(cfg: ml_collections.ConfigDict, worker_devices) -> None:
@@ -22,13 +23,11 @@ def resolve_jit_compile(cfg: ml_collections.ConfigDict, worker_devices) -> None:
 
 
 def resolve_pack_bytes(cfg: ml_collections.ConfigDict, cluster: distribute.Cluster) -> None:
-    """`distribute.pack_bytes=auto` decided for this job's size (tfscale.perf.plan.auto_pack_bytes), in the config
+    """`distribute.pack_bytes=auto` decided for this job's size (tfscale.planning.plan_workload.auto_pack_bytes), in the config
     (config.json records it) and in the cluster's gradient buckets; one start-up line says what and why."""
     if cfg.distribute.pack_bytes != PACK_AUTO:
         return
-    from tfscale.perf import plan  # the planner's model, only for a job that asked for it
-
-    size, why = plan.auto_pack_bytes(cfg, cluster.num_replicas)
+    size, why = plan_workload.auto_pack_bytes(cfg, cluster.num_replicas)
     cfg.distribute.pack_bytes = size
     cluster.set_bucket_bytes(size)
     logging.info("config.distribute.pack_bytes=auto -> %d: %s", size, why)

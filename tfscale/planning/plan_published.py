@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import statistics
 
-from tfscale.perf import plan_model
+from tfscale.planning import plan_model
 
 # NCCL's constants for links it cannot measure (NVIDIA/nccl 5067397c): src/graph/topo.h PCI_BW "PCI Gen3 x16"
 # and NET_BW "100Gbit", in GB/s; src/graph/tuning.cc hwLatencies, Ring / Simple protocol, in microseconds.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tfscale.perf.plan_model import System, Workload, best_bucket_bytes, keras_update_ops, predict_point
+from tfscale.planning.plan_model import System, Workload, best_bucket_bytes, keras_update_ops, predict_point
 
 SKIP_FLAG_BYTES = 4  # one float32: did any replica's gradients overflow?
 
