@@ -200,8 +200,9 @@ def fixed_pack_bytes(dist_cfg: ml_collections.ConfigDict) -> int:
     return 0 if dist_cfg.pack_bytes == PACK_AUTO else dist_cfg.pack_bytes
 
 
-def resolve_jit_compile(cfg: ml_collections.ConfigDict, *, on_gpus: bool) -> None:
-    """Turns `jit_compile="auto"` into True or False in place (once: config.json records the choice).
+def resolve_jit_compile(cfg: ml_collections.ConfigDict, *, on_gpus: bool) -> str | None:
+    """Turns `jit_compile="auto"` into True or False in place (once: config.json records the choice); returns
+    why, as logged (None: the value was set, nothing decided).
 
     As Keras 3's `compile(jit_compile="auto")` decides on TensorFlow (keras/src/trainers/trainer.py,
     `_resolve_auto_jit_compile`): no XLA on a CPU-only worker, XLA where the replicas are GPUs. Keras also
@@ -213,7 +214,7 @@ def resolve_jit_compile(cfg: ml_collections.ConfigDict, *, on_gpus: bool) -> Non
     """
     _check_jit_compile(cfg.jit_compile)
     if isinstance(cfg.jit_compile, bool):
-        return
+        return None
     conflict = xla_conflict(cfg)
     if not on_gpus:
         reason = ("the replicas are CPUs, where Keras' compile leaves XLA off too (on a CPU with oneDNN, TensorFlow's "
@@ -224,6 +225,7 @@ def resolve_jit_compile(cfg: ml_collections.ConfigDict, *, on_gpus: bool) -> Non
         reason = "XLA compiles each GPU replica's forward and backward pass (--config.jit_compile=False turns it off)"
     cfg.jit_compile = on_gpus and not conflict
     logging.info("config.jit_compile=auto -> %s: %s", cfg.jit_compile, reason)
+    return reason
 
 
 def _check_jit_compile(value) -> None:

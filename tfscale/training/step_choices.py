@@ -16,10 +16,10 @@ from tfscale.config.names import PACK_AUTO
 from tfscale.planning import plan_workload
 
 
-def resolve_jit_compile(cfg: ml_collections.ConfigDict, worker_devices) -> None:
-    """`jit_compile="auto"` decided for this worker's replicas (`validation.resolve_jit_compile`)."""
+def resolve_jit_compile(cfg: ml_collections.ConfigDict, worker_devices) -> str | None:
+    """`jit_compile="auto"` decided for this worker's replicas (`validation.resolve_jit_compile`); returns why."""
     on_gpus = all(tf.DeviceSpec.from_string(device).device_type == "GPU" for device in worker_devices)
-    validation.resolve_jit_compile(cfg, on_gpus=on_gpus)
+    return validation.resolve_jit_compile(cfg, on_gpus=on_gpus)
 
 
 def resolve_pack_bytes(cfg: ml_collections.ConfigDict, cluster: distribute.Cluster) -> None:
