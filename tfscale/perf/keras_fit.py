@@ -3,8 +3,11 @@
 tfscale's loop (`engine.make_train_loop`, what train.py runs, one step per call) against `fit` on the same
 model, optimizer, input pipeline and batch; both timed step by step (interval between step ends, loss read
 every step), median step time per round, rounds interleaved as every comparison in
-tfscale.perf.baselines. `fit` runs compiled with Keras' defaults, as its users run it, and also with the
-config's `jit_compile` when the two differ.
+tfscale.perf.baselines. A round times each candidate for a short block (`_BLOCK_STEPS` steps after
+`benchmark.num_warmup_batches` untimed ones), `benchmark.rounds` x num_batches / block rounds in all: another
+job taking one of a small host's cores for tens of seconds (XLA on 2 CPU cores then runs at ~0.55x) slows
+every candidate alike, not the few long rounds of one. `fit` runs compiled with Keras' defaults, as its
+users run it, and also with the config's `jit_compile` when the two differ.
 """
 
 from __future__ import annotations
@@ -60,14 +63,19 @@ def _keras_fit_model(cfg: ml_collections.ConfigDict, **compile_args) -> keras.Mo
     return model
 
 
-def _fit_rate(model: keras.Model, ds: tf.data.Dataset, num_batches: int, global_batch_size: int) -> float:
-    """images/sec of `fit` over `num_batches` steps after as many warm-up steps (tracing, autotuning)."""
+# Timed steps per candidate and round: ~0.5 s of a small model on CPU, shorter than a change in the host's load.
+_BLOCK_STEPS = 20
+
+
+def _fit_rate(model: keras.Model, ds: tf.data.Dataset, num_batches: int, global_batch_size: int,
+              warmup: int) -> float:
+    """images/sec of `fit` over `num_batches` steps after `warmup` untimed ones."""
     timer = _StepTimer()
-    model.fit(ds, epochs=1, steps_per_epoch=2 * num_batches, verbose=0, callbacks=[timer])
+    model.fit(ds, epochs=1, steps_per_epoch=warmup + num_batches, verbose=0, callbacks=[timer])
     return median_step_rate(timer.step_ends, num_batches, global_batch_size)
 
 
-def _loop_rate(train_loop, cluster, input_fn, num_batches: int, global_batch_size: int) -> float:
+def _loop_rate(train_loop, cluster, input_fn, num_batches: int, global_batch_size: int, warmup: int) -> float:
     """images/sec of tfscale's training loop run one step per call, timed exactly as `_fit_rate` times fit.
 
     One step per call, as fit's default steps_per_execution=1: the comparison is the step itself.
@@ -75,7 +83,7 @@ def _loop_rate(train_loop, cluster, input_fn, num_batches: int, global_batch_siz
     iterator = iter(cluster.distribute_dataset(input_fn))
     no_stop, one_step = tf.constant(0.0), tf.constant(1)
     step_ends = []
-    for _ in range(2 * num_batches):
+    for _ in range(warmup + num_batches):
         losses, _ = train_loop(iterator, no_stop, one_step)
         losses.numpy()  # read the loss every step, as fit's timer does
         step_ends.append(time.perf_counter())
@@ -100,10 +108,14 @@ def compare_keras_fit(cfg: ml_collections.ConfigDict, cluster, model, optimizer,
     fit_models = {"keras_fit": _keras_fit_model(cfg)}
     if fit_models["keras_fit"].jit_compile != cfg.jit_compile:
         fit_models["keras_fit_matched"] = _keras_fit_model(cfg, jit_compile=cfg.jit_compile)
-    candidates = {"tfscale_loop": lambda: _loop_rate(train_loop, cluster, input_fn, steps, batch)}
+    warmup, block = max(1, cfg.benchmark.num_warmup_batches), min(steps, _BLOCK_STEPS)
+    candidates = {"tfscale_loop": lambda: _loop_rate(train_loop, cluster, input_fn, block, batch, warmup)}
     for name, fit_model in fit_models.items():
-        candidates[name] = functools.partial(_fit_rate, fit_model, input_fn(tf.distribute.InputContext()), steps, batch)
-    rates = interleaved_rounds(candidates, cfg.benchmark.rounds)
+        candidates[name] = functools.partial(_fit_rate, fit_model, input_fn(tf.distribute.InputContext()), block,
+                                             batch, warmup)
+    for candidate in candidates.values():
+        candidate()  # untimed: tracing, XLA's compile, the input pipeline's autotuning
+    rates = interleaved_rounds(candidates, cfg.benchmark.rounds * max(1, round(steps / block)))
     result = summarize_rates(rates)
     result["keras_jit_compile"] = {name: bool(fit_model.jit_compile) for name, fit_model in fit_models.items()}
     result["tfscale_jit_compile"] = bool(cfg.jit_compile)
