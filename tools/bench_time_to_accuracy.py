@@ -18,6 +18,7 @@ comparison on the same machine). The figures go to WORKDIR/tta.json.
 """
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -100,10 +101,12 @@ def round_row(index: int, curves: dict[str, list[tuple[float, float]]]) -> dict:
            **{f"{name}_total_s": round(curves[name][-1][0], 1) for name in curves},
            **{f"{name}_to_target_s": round(seconds_to(curves[name], target), 1) for name in curves},
            "curves": curves}
-    row["ratio_to_target"] = round(row["tfscale_to_target_s"] / row["keras_to_target_s"], 3)
+    row["ratio_to_target"] = round(row["tfscale_to_target_s"] / row["keras_to_target_s"], 3)  # 0 / inf: one never got there
+    never = [name for name in curves if math.isinf(row[f"{name}_to_target_s"])]
+    ratio = f"ratio {row['ratio_to_target']:.3f}" if not never else f"no ratio: {' and '.join(never)} never reached it"
     print(f"round {index}: target {target:.4f}  keras {row['keras_to_target_s']:.0f} s (final "
           f"{row['keras_final_top1']:.4f}, {row['keras_total_s']:.0f} s)  tfscale {row['tfscale_to_target_s']:.0f} s "
-          f"(final {row['tfscale_final_top1']:.4f}, {row['tfscale_total_s']:.0f} s)  ratio {row['ratio_to_target']:.3f}",
+          f"(final {row['tfscale_final_top1']:.4f}, {row['tfscale_total_s']:.0f} s)  {ratio}",
           flush=True)
     return row
 
