@@ -148,7 +148,8 @@ bench-input: venv dali
 	  --config.benchmark.image_dir=runs/photos --config.data.global_batch_size=64 \
 	  --config.benchmark.num_batches=80 --config.benchmark.num_warmup_batches=10 --config.benchmark.rounds=5
 
-# tfscale's training step vs Keras model.fit, same model (CIFAR ResNet-20), data and batch, one process.
+# tfscale's training step vs Keras model.fit as its users compile it (and matched to tfscale's jit_compile when that
+# differs), same model (CIFAR ResNet-20), data and batch, one process.
 bench-fit: venv
 	$(PY) -m tfscale.benchmark --config=configs/cifar_resnet20.py --workdir=runs/bench_fit \
 	  --config.benchmark.mode=train --config.benchmark.compare_keras_fit=True --config.data.dataset=synthetic_learnable \
