@@ -36,7 +36,8 @@ NVIDIA_VENDOR = "0x10de"
 GPU_CLASSES = ("0x0300", "0x0302")  # PCI display controller classes: VGA (workstations), 3D (data-centre GPUs)
 
 
-def _read(path: str) -> str:
+def read_text(path: str) -> str:
+    """A sysfs or procfs file's text, stripped; "" where it is missing or unreadable."""
     try:
         with open(path) as f:
             return f.read().strip()
@@ -48,11 +49,11 @@ def nvidia_gpus(sysfs: str = "/sys") -> list[tuple[str, int]]:
     """(PCI address, NUMA node) of every NVIDIA GPU, in PCI bus order; NUMA node -1 where the kernel has none."""
     found = []
     for device in sorted(glob.glob(os.path.join(sysfs, "bus", "pci", "devices", "*"))):
-        if _read(os.path.join(device, "vendor")) != NVIDIA_VENDOR:
+        if read_text(os.path.join(device, "vendor")) != NVIDIA_VENDOR:
             continue
-        if not _read(os.path.join(device, "class")).startswith(GPU_CLASSES):
+        if not read_text(os.path.join(device, "class")).startswith(GPU_CLASSES):
             continue  # the GPU's audio function, NVSwitches and bridges share the vendor id
-        numa = _read(os.path.join(device, "numa_node"))
+        numa = read_text(os.path.join(device, "numa_node"))
         found.append((os.path.basename(device), int(numa) if numa.lstrip("-").isdigit() else -1))
     return found
 
@@ -61,7 +62,7 @@ def device_minors(proc: str = "/proc") -> dict[int, str]:
     """Device minor number (/dev/nvidiaN) -> PCI address, as the NVIDIA driver reports them; {} without it."""
     minors = {}
     for info in glob.glob(os.path.join(proc, "driver", "nvidia", "gpus", "*", "information")):
-        for line in _read(info).splitlines():
+        for line in read_text(info).splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "Device Minor" and value.strip().isdigit():
                 minors[int(value)] = os.path.basename(os.path.dirname(info)).lower()
@@ -134,7 +135,7 @@ def numa_cpus(sysfs: str = "/sys") -> dict[int, list[int]]:
     """NUMA node -> its CPUs (/sys/devices/system/node/nodeN/cpulist)."""
     found = {}
     for node in glob.glob(os.path.join(sysfs, "devices", "system", "node", "node[0-9]*")):
-        found[int(os.path.basename(node)[4:])] = parse_cpu_list(_read(os.path.join(node, "cpulist")))
+        found[int(os.path.basename(node)[4:])] = parse_cpu_list(read_text(os.path.join(node, "cpulist")))
     return found
 
 

@@ -31,6 +31,7 @@ FLOAT32_BYTES = 4
 # Iterations per size: the configured count, but no more than this many bytes per size in all, and at least 3.
 _BYTES_PER_SIZE = 1 << 30
 _MIN_ITERATIONS = 3
+MAX_CHAINED_CALLS = 20  # sums of ones grow by the replica count each call: 16**20 stays finite in float32
 
 
 def bus_bandwidth(message_bytes: float, seconds: float, num_replicas: int) -> tuple[float, float]:
@@ -79,6 +80,29 @@ def make_allreduce(cluster, variables):
         return cluster.strategy.experimental_local_results(cluster.strategy.run(replica_fn))
 
     return allreduce
+
+
+def chained_seconds(cluster, message_bytes: int, num_calls: int) -> float:
+    """Seconds per all-reduce of `message_bytes` per replica through training's own call
+    (`Cluster.reduce_gradients`), timed as nccl-tests times them: `num_calls` all-reduces back to back in one
+    graph call, each on the last one's result (so they run in order, nothing between them), on a buffer filled
+    once, after one untimed call (tracing, the communicators). One host sync is shared by all of them."""
+    num_calls = min(num_calls, MAX_CHAINED_CALLS)
+    with cluster.strategy.scope():
+        buffer = tf.Variable(tf.ones([message_bytes // FLOAT32_BYTES]), trainable=False)  # one copy per replica
+
+    def replica_fn():
+        value = buffer.read_value()
+        for _ in range(num_calls):
+            (value,) = cluster.reduce_gradients([value])
+        return value[:1]  # four bytes to the host, not the buffer
+
+    @tf.function
+    def chained():
+        return cluster.strategy.experimental_local_results(cluster.strategy.run(replica_fn))
+
+    (seconds,) = timed_calls(chained, 1, 1)
+    return seconds / num_calls
 
 
 def measure(cluster, variables, num_bytes: int, bench_cfg) -> dict:

@@ -1,7 +1,9 @@
 """One all-reduce through tfscale's own start-up path, in a process of its own (tfscale-doctor starts it).
 
-    python -m tfscale.perf.collective_probe mwms [AUTO|NCCL|RING]   a MultiWorkerMirroredStrategy worker of
-                                                      TF_CONFIG, or of the Slurm step it runs in (one per task)
+    python -m tfscale.perf.collective_probe mwms [AUTO|NCCL|RING] [BYTES CALLS]   a MultiWorkerMirroredStrategy
+                                                      worker of TF_CONFIG, or of the Slurm step it runs in (one
+                                                      per task); with BYTES, it also times CALLS chained
+                                                      all-reduces of BYTES through training's own call
     python -m tfscale.perf.collective_probe horovod   hvd.init() as training does, then training's gradient
                                                       reduction (a grouped Average of 2 tensors)
 
@@ -20,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -27,6 +30,7 @@ from tfscale import config as tfs_config
 from tfscale import errors
 from tfscale.cluster import distribute, horovod_start
 from tfscale.launch import launch
+from tfscale.perf import allreduce_bench
 
 CONNECT_TIMEOUT_S = 60.0  # the doctor's peers start together: a minute is plenty, and a FAIL comes quickly
 PROBE_TIMEOUT_S = 240.0  # a probe process still running after this is killed and named
@@ -77,11 +81,23 @@ def horovod_all_reduce(cluster) -> tuple[list[float], list[float], str, str]:
 # --- the doctor's side: starting probes and reading their verdicts -----------------------------------------
 
 
-def _verdict(process: subprocess.Popen, stdout: str, stderr: str) -> tuple[bool, str]:
+class ProbeResult(NamedTuple):
+    ok: bool
+    detail: str
+    implementation: str  # what the live strategy ran its all-reduces with ("" when the probe reported none)
+    seconds_per_all_reduce: float  # of the timed all-reduces (0 when none were asked for)
+
+
+def _report(stdout: str) -> dict:
+    """The probe's JSON line (its last one); {} when it printed none."""
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if lines:
-        result = json.loads(lines[-1])
-        return bool(result["ok"]), result["detail"]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _verdict(process: subprocess.Popen, stdout: str, stderr: str) -> tuple[bool, str]:
+    report = _report(stdout)
+    if report:
+        return bool(report["ok"]), report["detail"]
     code = process.returncode
     how = f"killed by signal {-code}" if code and code < 0 else f"exited with {code}"
     lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
@@ -91,16 +107,14 @@ def _verdict(process: subprocess.Popen, stdout: str, stderr: str) -> tuple[bool,
     return False, f"the probe process {how}: {said[:600]}"
 
 
-def _implementation(stdout: str) -> str:
-    """The all-reduce implementation a probe's JSON line reports ("" when it reported none)."""
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]).get("implementation", "") if lines else ""
-
-
-def run_probes(envs: list[dict], backend: str, collective_impl: str = "AUTO") -> list[tuple[bool, str, str]]:
-    """Starts one probe per environment, together; (ok, detail, the implementation it ran) of each. Once one
-    fails, the others (which would wait for it until their connect time-out) get PEER_GRACE_S, then are stopped."""
+def run_probes(envs: list[dict], backend: str, collective_impl: str = "AUTO",
+               timed: tuple[int, int] = (0, 0)) -> list[ProbeResult]:
+    """Starts one probe per environment, together; each one's result. `timed` (bytes, calls): the MWMS workers
+    also time that many chained all-reduces of that size. Once one fails, the others (which would wait for it
+    until their connect time-out) get PEER_GRACE_S, then are stopped."""
     command = [sys.executable, "-m", "tfscale.perf.collective_probe", backend, collective_impl]
+    if timed[0]:
+        command += [str(timed[0]), str(timed[1])]
     processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for env in envs]
     deadline = time.monotonic() + PROBE_TIMEOUT_S
@@ -115,20 +129,22 @@ def run_probes(envs: list[dict], backend: str, collective_impl: str = "AUTO") ->
             p.kill()
         stdout, stderr = p.communicate()
         ok, detail = _verdict(p, stdout, stderr)
-        results.append((ok, "stopped: a peer failed first, or no answer within the time-out" if stopped else detail,
-                        _implementation(stdout)))
+        report = _report(stdout)
+        results.append(ProbeResult(ok, "stopped: a peer failed first, or no answer within the time-out" if stopped
+                                   else detail, report.get("implementation", ""),
+                                   float(report.get("seconds_per_all_reduce", 0.0))))
     return results
 
 
-def local_mwms_envs(num_gpus: int, port_base: int = 0) -> list[dict]:
-    """Two MWMS workers on 127.0.0.1, one GPU each (local ranks 0 and 1). One GPU cannot serve two NCCL ranks:
-    then both run on the CPU."""
-    ports = [port_base, port_base + 1] if port_base else launch.free_ports(2)
+def local_mwms_envs(num_gpus: int, port_base: int = 0, num_workers: int = 2) -> list[dict]:
+    """`num_workers` MWMS workers on 127.0.0.1, one GPU each (local ranks 0, 1, ...), as training runs one
+    process per GPU. One GPU cannot serve two NCCL ranks: then they all run on the CPU."""
+    ports = list(range(port_base, port_base + num_workers)) if port_base else launch.free_ports(num_workers)
     workers = [f"127.0.0.1:{port}" for port in ports]
     base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_KEYS}
     base.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     envs = []
-    for rank in range(2):
+    for rank in range(num_workers):
         env = {**base, "TFSCALE_LOCAL_RANK": str(rank),
                "TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})}
         if num_gpus == 1:
@@ -154,7 +170,7 @@ def in_multi_task_step(env: dict | None = None) -> int:
 # --- the probe process ---------------------------------------------------------------------------------------
 
 
-def probe(backend: str, collective_impl: str = "AUTO") -> dict:
+def probe(backend: str, collective_impl: str = "AUTO", message_bytes: str = "0", num_calls: str = "0") -> dict:
     cfg = tfs_config.base_config()
     cfg.distribute.backend = backend
     cfg.distribute.collective_impl = collective_impl
@@ -167,9 +183,13 @@ def probe(backend: str, collective_impl: str = "AUTO") -> dict:
     what = "sum" if backend == "mwms" else "means"
     detail = (f"{how} on {device.split('device:')[-1]}: {what} {', '.join(f'{g:g}' for g in got)}, expected "
               f"{', '.join(f'{e:g}' for e in expected)} ({time.perf_counter() - start:.1f} s from start)")
+    result = {"ok": got == expected, "rank": cluster.rank, "implementation": implementation}
     if backend == "mwms":
         detail += f"; the strategy's collectives ran with communication hint {implementation}"
-    return {"ok": got == expected, "detail": detail, "rank": cluster.rank, "implementation": implementation}
+        if int(message_bytes):
+            result["seconds_per_all_reduce"] = allreduce_bench.chained_seconds(cluster, int(message_bytes),
+                                                                               int(num_calls))
+    return {**result, "detail": detail}
 
 
 def main(argv: list[str]) -> int:

@@ -21,8 +21,9 @@ checks that compile ResNet-50 (docs/gpu.md gives the time of each mode).
   xla-step        one XLA-compiled float32 ResNet-50 training step of tfscale's own step
   float16-step    one mixed_float16 ResNet-50 step: finite loss, finite loss scale
   dali            one batch decoded by DALI on the GPU ("mixed"; CPU decoding shown where there is none)
-  gpu-bandwidth   all-reduce bus bandwidth between this node's GPUs, timed in-graph as nccl-tests does
-                  (busbw = algbw 2(n-1)/n)
+  gpu-bandwidth   training's all-reduce between this node's GPUs (one MWMS worker process per GPU, 64 MiB),
+                  timed in-graph as nccl-tests does (busbw = algbw 2(n-1)/n), beside the rate of the slowest
+                  link a ring crosses (NVLink or PCIe, from nvidia-smi and sysfs): FAIL below 40%
   throughput      one-GPU synthetic ResNet-50 images/sec beside the figure published for that GPU; with
                   --data_dir, tfscale's input pipeline on one task's share of the CPUs beside it (FAIL below 90%:
                   the input-bound node)
@@ -143,10 +144,11 @@ def check_all_reduce(gpus: list, configured: str, port_base: int = 0) -> Check:
     else:
         where, envs = "between 2 processes on this node", collective_probe.local_mwms_envs(len(gpus), port_base)
     results = collective_probe.run_probes(envs, "mwms", configured)
-    failed = [f"worker {i}: {detail}" for i, (ok, detail, _) in enumerate(results) if not ok]
+    failed = [f"worker {i}: {r.detail}" for i, r in enumerate(results) if not r.ok]
     if failed:
         return Check("all-reduce", FAIL, f"MWMS all-reduce {where} failed: " + "; ".join(failed))
-    return all_reduce_verdict(where, results[0][1], configured, chosen, results[0][2], len(gpus), bool(tasks))
+    return all_reduce_verdict(where, results[0].detail, configured, chosen, results[0].implementation, len(gpus),
+                              bool(tasks))
 
 
 def all_reduce_verdict(where: str, detail: str, configured: str, chosen: str, ran: str, num_gpus: int,
@@ -181,7 +183,7 @@ def check_horovod(gpus: list) -> Check:
     # Training's own grouped Average after hvd.init(), on the GPU where there is one: where a build's CUDA runtime
     # that the driver refuses, a broken NCCL, or the fusion buffer's kernels (which one tensor summed never
     # launches) fail, shows (the process aborts).
-    ((ok, probe_detail, _),) = collective_probe.run_probes([collective_probe.horovod_env()], "horovod")
+    ((ok, probe_detail, _, _),) = collective_probe.run_probes([collective_probe.horovod_env()], "horovod")
     if not ok:
         return Check("horovod", FAIL, f"{detail}, but training's grouped all-reduce after hvd.init() failed: "
                                       f"{probe_detail}")
@@ -239,7 +241,7 @@ def run_checks(tasks_per_node: int = 0, collective_impl: str = "AUTO", only: lis
         ("xla-step", lambda: check_xla_step(cluster, gpus)),
         ("float16-step", lambda: check_float16_step(cluster, gpus)),
         ("dali", lambda: check_dali(gpus)),
-        ("gpu-bandwidth", lambda: check_gpu_bandwidth(gpus)),
+        ("gpu-bandwidth", lambda: check_gpu_bandwidth(gpus, port_base)),
         ("throughput", lambda: check_throughput(cluster, gpus, data_dir, tasks_per_node or 1)),
     ]
     assert tuple(name for name, _ in steps) == CHECK_NAMES
@@ -289,7 +291,8 @@ def _define_flags() -> None:
     flags.DEFINE_string("json", "", "Also write the results to this JSON file.")
     flags.DEFINE_list("only", [], "Run only these checks (comma-separated names; default: all).")
     flags.DEFINE_integer("port_base", 0, "The all-reduce check's two worker ports on this node: port_base and the "
-                         "next one (0: two free ports; in a Slurm step, the step's own, as training derives them).")
+                         "next one, gpu-bandwidth's the ones after them (0: free ports; in a Slurm step, the "
+                         "all-reduce check takes the step's own, as training derives them).")
     flags.DEFINE_string("data_dir", "", "TFRecord shards of the training data: throughput also times tfscale's input "
                         "pipeline on one task's share of the CPUs, and fails when it cannot feed the GPU.")
     flags.DEFINE_bool("fast", False, f"Skip the checks that compile ResNet-50 ({', '.join(SLOW_CHECKS)}).")

@@ -1,5 +1,6 @@
-"""tfscale-doctor's speed checks: the all-reduce bandwidth between a node's GPUs, and one GPU's ResNet-50
-training rate beside the figure published for that GPU and beside what the node's input pipeline delivers.
+"""tfscale-doctor's speed checks: the all-reduce bandwidth between a node's GPUs beside what their links
+should carry, and one GPU's ResNet-50 training rate beside the figure published for that GPU and beside what
+the node's input pipeline delivers.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import statistics
 
 import tensorflow as tf
 
-from tfscale.perf import allreduce_bench, gpu_probe
+from tfscale.perf import allreduce_bench, collective_probe, gpu_links, gpu_probe
 from tfscale.perf.doctor_checks import FAIL, NA, PASS, Check
 
 # One-GPU ResNet-50 training throughput as published (docs/gpu.md "What to expect" gives the sources):
@@ -24,6 +25,10 @@ THROUGHPUT_WARMUP_STEPS, THROUGHPUT_STEPS = 5, 20
 MIN_THROUGHPUT_BATCH = 32
 BANDWIDTH_BYTES = 64 << 20  # per GPU, as a mid-sized fused gradient buffer
 BANDWIDTH_CALLS = 10
+# Bus bandwidth below this share of the slowest link's one-way rate fails. nccl-tests reaches 75-90 % of it
+# for large messages; TensorFlow's dispatch and a 64 MiB message cost some of that, NCCL that does not use the
+# links (P2P off, a container without IPC, traffic through host memory or sockets) costs far more.
+BANDWIDTH_SHARE = 0.4
 # One task's input below this share of its GPU's synthetic step rate: the GPU waits for data every step.
 INPUT_SHARE = 0.9
 INPUT_WARMUP_BATCHES, INPUT_BATCHES = 5, 20
@@ -40,15 +45,45 @@ def published_figure(name: str) -> tuple | None:
     return next((row for row in PUBLISHED_1GPU if row[0] in name), None)
 
 
-def check_gpu_bandwidth(gpus: list) -> Check:
+def check_gpu_bandwidth(gpus: list, port_base: int = 0, links: gpu_links.NodeLinks | None = None,
+                        message_bytes: int = BANDWIDTH_BYTES) -> Check:
+    """Training's all-reduce between the node's GPUs: one MWMS worker process per GPU (as training runs them),
+    `message_bytes` through `Cluster.reduce_gradients`, beside what the GPUs' links should carry (`links`: read
+    from nvidia-smi and sysfs when not given)."""
     if len(gpus) < 2:
         return Check("gpu-bandwidth", NA, f"needs 2 or more GPUs on the node (this one: {len(gpus)})")
-    names = [f"/gpu:{i}" for i in range(len(gpus))]
-    seconds = gpu_probe.allreduce_seconds(names, BANDWIDTH_BYTES, BANDWIDTH_CALLS, tf.distribute.NcclAllReduce())
-    algbw, busbw = allreduce_bench.bus_bandwidth(BANDWIDTH_BYTES, seconds, len(gpus))
-    return Check("gpu-bandwidth", PASS, f"NCCL all-reduce of {BANDWIDTH_BYTES >> 20} MiB over {len(gpus)} GPUs "
-                                        f"({BANDWIDTH_CALLS} in one graph call, as nccl-tests times them): "
-                                        f"{seconds * 1e3:.2f} ms, algbw {algbw:.1f} GB/s, busbw {busbw:.1f} GB/s")
+    envs = collective_probe.local_mwms_envs(len(gpus), port_base and port_base + 2, num_workers=len(gpus))
+    results = collective_probe.run_probes(envs, "mwms", "AUTO", timed=(message_bytes, BANDWIDTH_CALLS))
+    failed = [f"worker {i}: {r.detail}" for i, r in enumerate(results) if not r.ok]
+    if failed:
+        return Check("gpu-bandwidth", FAIL, f"{len(gpus)} worker processes, one per GPU, failed: " + "; ".join(failed))
+    seconds = max(r.seconds_per_all_reduce for r in results)  # the slowest worker's: every step waits for it
+    algbw, busbw = allreduce_bench.bus_bandwidth(message_bytes, seconds, len(gpus))
+    measured = (f"{results[0].implementation} all-reduce of {message_bytes >> 20} MiB between {len(gpus)} worker "
+                f"processes, one per GPU, as training runs ({BANDWIDTH_CALLS} chained in one graph call, as "
+                f"nccl-tests times them): {seconds * 1e3:.2f} ms, algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s")
+    links = gpu_links.read_node_links() if links is None else links
+    return bandwidth_verdict(measured, busbw, links, list(range(len(gpus))))
+
+
+def bandwidth_verdict(measured: str, busbw: float, links: gpu_links.NodeLinks, gpus: list[int]) -> Check:
+    """FAIL below BANDWIDTH_SHARE of the slowest link's rate (`gpu_links.expected_busbw`), or with NVLinks down;
+    PASS, saying it was not judged, where the topology is unknown."""
+    expected = gpu_links.expected_busbw(links, gpus)
+    degraded = gpu_links.degraded_nvlinks(links, gpus)
+    if expected is None:
+        return Check("gpu-bandwidth", PASS, f"{measured}; not judged: nvidia-smi and sysfs did not say how the GPUs "
+                                            "are linked")
+    rate, how = expected
+    text = f"{measured}; {busbw / rate:.2f}x of {rate:.1f} GB/s ({how})"
+    if busbw < BANDWIDTH_SHARE * rate:
+        return Check("gpu-bandwidth", FAIL, f"{text}: below {BANDWIDTH_SHARE:.0%}, so NCCL is not using the links. "
+                                            "Run with NCCL_DEBUG=INFO to see its transport (P2P/SHM/NET), check "
+                                            "NCCL_P2P_DISABLE and NCCL_P2P_LEVEL, `nvidia-smi topo -p2p r`, and "
+                                            "PCIe ACS/IOMMU settings")
+    if degraded:
+        return Check("gpu-bandwidth", FAIL, f"{text}; NVLinks down: {'; '.join(degraded)} (nvidia-smi nvlink -s)")
+    return Check("gpu-bandwidth", PASS, text)
 
 
 def task_cpus(tasks_per_node: int) -> int:

@@ -1,6 +1,6 @@
-"""Measurements tfscale-doctor makes on a node's devices: all-reduce time as nccl-tests takes it, the memory
-TensorFlow's process holds on a GPU as the CUDA driver reports it, tfscale's ResNet-50 step, the rate of its
-ImageNet input pipeline on the node's CPUs, and a batch decoded by DALI.
+"""Measurements tfscale-doctor makes on a node's devices: the memory TensorFlow's process holds on a GPU as the
+CUDA driver reports it, tfscale's ResNet-50 step, the rate of its ImageNet input pipeline on the node's CPUs,
+and a batch decoded by DALI.
 
 Each returns numbers; tfscale.perf.doctor turns them into PASS/FAIL. They run on CPU devices too (the tests),
 except `gpu_memory_bytes`, which needs a GPU and TensorFlow's CUDA runtime.
@@ -23,37 +23,6 @@ from tfscale.config import validation
 from tfscale.data.input import info, loaders
 from tfscale.perf import baselines, benchmark
 from tfscale.training import engine
-
-MAX_CHAINED_ALL_REDUCES = 20  # sums of ones grow by the device count each call: 16**20 stays finite in float32
-
-
-def allreduce_seconds(device_names: list[str], message_bytes: int, num_calls: int,
-                      cross_device_ops: tf.distribute.CrossDeviceOps | None = None) -> float:
-    """Seconds per all-reduce of `message_bytes` per device over `device_names`, timed as nccl-tests times it.
-
-    `num_calls` all-reduces run back to back inside one graph call, each reducing the last one's result (so they
-    run in order, with no kernel between them), on a buffer filled once; a first call of the graph warms up
-    (tracing, NCCL's communicators). The one host sync per graph call is shared by `num_calls` all-reduces.
-    """
-    num_calls = min(num_calls, MAX_CHAINED_ALL_REDUCES)
-    strategy = tf.distribute.MirroredStrategy(device_names, cross_device_ops=cross_device_ops)
-    with strategy.scope():
-        buffer = tf.Variable(tf.ones([message_bytes // 4]), trainable=False)  # one copy per device, filled once
-
-    @tf.function
-    def chained_all_reduces():
-        def replica():
-            context = tf.distribute.get_replica_context()
-            value = buffer.read_value()
-            for _ in range(num_calls):
-                value = context.all_reduce(tf.distribute.ReduceOp.SUM, value)
-            return value[:1]  # four bytes to the host, not the buffer
-        return strategy.experimental_local_results(strategy.run(replica))
-
-    [t.numpy() for t in chained_all_reduces()]  # warm-up
-    start = time.perf_counter()
-    [t.numpy() for t in chained_all_reduces()]
-    return (time.perf_counter() - start) / num_calls
 
 
 def gpu_memory_bytes(device_index: int) -> tuple[int, int]:
