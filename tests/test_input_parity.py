@@ -22,6 +22,10 @@ from tfscale.perf import baselines
 HEIGHT, WIDTH = 358, 508  # a typical ImageNet photo
 SIZE = 64
 DRAWS = 600
+# Each run makes 8 of these comparisons (4 per variant) on draws whose seeds follow from what ran before in
+# the process: at 1e-3 a run of the whole suite goes red about once in a hundred with nothing wrong (seen once,
+# p=0.00044). At 1e-4 that is one in a thousand, while the narrower-area pipeline below still shows p < 1e-6.
+MIN_P = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +68,9 @@ def test_crop_area_aspect_and_flip_match_the_model_garden_pipeline(ramp_jpeg, re
     ours = _windows(_tfscale(jpeg_only), ramp_jpeg)
     for column, name in ((0, "area fraction"), (1, "aspect ratio"), (3, "window centre")):
         result = stats.ks_2samp(ours[:, column], reference[:, column])
-        assert result.pvalue > 1e-3, f"{name}: KS p={result.pvalue:.2g}, statistic {result.statistic:.3f}"
+        assert result.pvalue > MIN_P, f"{name}: KS p={result.pvalue:.2g}, statistic {result.statistic:.3f}"
     flips = stats.binomtest(int(ours[:, 2].sum()), DRAWS, 0.5)
-    assert flips.pvalue > 1e-3, f"flip rate {ours[:, 2].mean():.3f}"
+    assert flips.pvalue > MIN_P, f"flip rate {ours[:, 2].mean():.3f}"
     # The ranges themselves: areas 8%-100%, aspect 3/4-4/3 (windows are whole pixels, and the read-back
     # is a few pixels off for the smallest crops), the centre-crop fallback included.
     assert 0.06 < ours[:, 0].min() and ours[:, 0].max() < 1.02 and np.median(ours[:, 0]) > 0.3
