@@ -74,7 +74,9 @@ def load_config(name: str, *overrides: str):
 
 # TensorFlow 2.21 logs its oneDNN notice (on CPUs where oneDNN is on by default: AVX-512 and newer)
 # through absl before it reads TF_CPP_MIN_LOG_LEVEL, so no setting hides it (tensorflow#100442), and
-# absl adds its own "before InitializeLog" line. Tests of what tfscale prints look past these.
+# absl adds its own "before InitializeLog" line. tfscale's programs take both out of their import's stderr
+# (logs.import_tensorflow_without_banner, tests/test_cli_help.py); tests of what tfscale prints look past them
+# where a process imports TensorFlow by other ways (python -c scripts, helpers).
 TF_IMPORT_NOTICES = ("All log messages before absl::InitializeLog() is called", "] oneDNN custom operations are on.")
 
 

@@ -44,10 +44,25 @@ def import_extra(module: str, *, tool: str, package: str, extra: str, why: str):
 
 
 def make_key_flags(names: Iterable[str]) -> None:
-    """Lists flags defined in a library module under the main script's `--helpshort` (absl shows only
-    the key flags of sys.argv[0], and these are defined elsewhere)."""
+    """Lists flags defined in a library module under the main script's `--help` (absl shows only the key
+    flags of sys.argv[0]: `python -m tfscale.x`'s shim or a `tfscale-*` console script, which define none)."""
     for name in names:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+
+
+def adopt_usage(module_name: str) -> None:
+    """Gives a console script (whose generated __main__ has no docstring) the usage text of the tool's module,
+    which absl prints at the top of --help, as `python -m` prints it."""
+    main = sys.modules.get("__main__")
+    if main is not None and not main.__doc__:
+        main.__doc__ = sys.modules[module_name].__doc__
+
+
+def define_key_flags(define_flags: Callable[[], None]) -> None:
+    """Runs `define_flags` and makes every flag it defined a key flag: the tool's --help lists them."""
+    before = set(flags.FLAGS)
+    define_flags()
+    make_key_flags(sorted(set(flags.FLAGS) - before))
 
 
 def run_tool(job: Callable[..., object], *, define_flags: Callable[[], None],
@@ -59,7 +74,8 @@ def run_tool(job: Callable[..., object], *, define_flags: Callable[[], None],
     job(FLAGS, arguments) and judges them itself. Anything else a job raises (a bug) keeps its traceback;
     a job may end the process itself (sys.exit) with its own code.
     """
-    define_flags()
+    define_key_flags(define_flags)
+    adopt_usage(job.__module__)
 
     def main(argv: list[str]) -> int:
         if len(argv) > 1 and not takes_arguments:
@@ -147,6 +163,13 @@ def command_line_keys() -> frozenset[str]:
     return _command_line_keys
 
 
+def config_help(what: str) -> str:
+    """--config's help: `what` it is, how it is given, and the bundled recipes with their variants."""
+    return (f"{what}: a config file (PATH[:ARG]), or a bundled recipe by name, e.g. r50_32gpu:amp. Any key can be "
+            "overridden: --config.data.data_dir=/scratch/imagenet --config.train.epochs=10. Bundled recipes:\n"
+            + tfs_config.files.recipes_help())
+
+
 def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_help: str) -> None:
     """Runs a `--config=FILE[:ARG] --workdir=DIR [--config.x.y=v ...]` command: `main(config, workdir)`.
 
@@ -156,12 +179,11 @@ def run_cli(main: Callable[[ml_collections.ConfigDict, str], object], workdir_he
     """
     # The config flag reads sys.argv itself (to find the --config.* overrides), so resolve it there.
     sys.argv = [tfs_config.resolve_config_arg(arg) for arg in sys.argv]
-    config = config_flags.DEFINE_config_file(
-        "config", None, "Config file (configs/*.py, or the name of a bundled recipe such as r50_32gpu).",
-        lock_config=True,
-    )
+    config = config_flags.DEFINE_config_file("config", None, config_help("The recipe to run"), lock_config=True)
     workdir = flags.DEFINE_string("workdir", None, workdir_help)
     flags.mark_flags_as_required(["config", "workdir"])
+    make_key_flags(["config", "workdir"])
+    adopt_usage(main.__module__)
 
     def app_main(argv):
         global _command_line_keys

@@ -39,6 +39,7 @@ from tfscale import logs
 from tfscale.workdir import layout
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
+logs.import_tensorflow_without_banner()  # a program: TensorFlow without its oneDNN notice
 
 import copy
 import json

@@ -7,11 +7,15 @@ Three sources write to a job's stderr, and left alone they make it unreadable:
     CLI does) gives it a handler of its own, and it also propagates to absl's handler on the root
     logger: every message twice, `INFO:tensorflow:...` then `I1123 ...]`;
   * TensorFlow's C++ runtime (oneDNN notice, CPU feature guard, gRPC and coordination-service lines),
-    filtered only by TF_CPP_MIN_LOG_LEVEL, which TensorFlow reads once, when it is imported.
+    filtered by TF_CPP_MIN_LOG_LEVEL, which TensorFlow reads once, when it is imported; except the
+    oneDNN notice, which TensorFlow 2.21 prints at import (twice, after absl's "All log messages before
+    absl::InitializeLog()" line) at every level.
 
 The pieces, each called where the moment is right:
   quiet_tensorflow_banner(__name__)   top of a CLI module, before TensorFlow's import: C++ level 1
       (warnings and errors kept, INFO banner dropped) unless the user set TF_CPP_MIN_LOG_LEVEL;
+  import_tensorflow_without_banner()  right after (after the CPU binding, where a module binds): TensorFlow
+      imported with the oneDNN notice taken out of what the import prints;
   configure()                         CLI start (cli.run_cli): absl's handler is the one handler,
       the `tensorflow` logger propagates to it, TensorFlow's INFO lines are dropped;
   gate_workers(is_chief, ...)         end of distribute.setup, after the topology line: non-chief
@@ -26,23 +30,57 @@ import importlib.util
 import logging as std_logging
 import os
 import sys
+import tempfile
 
 from absl import logging
 
 # TensorFlow's C++ levels: 0 all, 1 drops INFO, 2 drops WARNING too, 3 drops ERROR too.
 CPP_LOG_LEVEL = "1"
 CONSOLE_SCRIPT_PREFIX = "tfscale-"  # pyproject's [project.scripts]: tfscale-train, tfscale-bench, ...
+# What TensorFlow's import prints whatever TF_CPP_MIN_LOG_LEVEL says (measured with 2.21 at levels 1 and 2),
+# through absl's stderr sink of a process that never calls absl::InitializeLog: taken out of the import's stderr.
+IMPORT_BANNER = ("All log messages before absl::InitializeLog() is called are written to STDERR",
+                 "oneDNN custom operations are on.")
+
+
+_banner_quiet = False  # set by quiet_tensorflow_banner in a program: import_tensorflow_without_banner acts
 
 
 def quiet_tensorflow_banner(module_name: str = "__main__") -> None:
     """Hides TensorFlow's C++ INFO start-up lines of this process (and its children), keeping warnings.
 
-    Call before TensorFlow is imported. A TF_CPP_MIN_LOG_LEVEL the user set wins. `module_name`: the
-    caller's `__name__` when called at import time, so that only a module run as a program
+    Call before TensorFlow is imported. A TF_CPP_MIN_LOG_LEVEL the user set wins (0: nothing is hidden).
+    `module_name`: the caller's `__name__` when called at import time, so that only a module run as a program
     (`python -m tfscale.x` or a `tfscale-*` console script) changes the environment, not a library import.
+    Then `import_tensorflow_without_banner` imports TensorFlow without its oneDNN notice.
     """
+    global _banner_quiet
     if _runs_as_program(module_name):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", CPP_LOG_LEVEL)
+        _banner_quiet = os.environ["TF_CPP_MIN_LOG_LEVEL"] != "0"
+
+
+def import_tensorflow_without_banner() -> None:
+    """In a program that called quiet_tensorflow_banner (and left TF_CPP_MIN_LOG_LEVEL above 0): imports
+    TensorFlow with IMPORT_BANNER's lines taken out of what it prints to stderr meanwhile; anything else (a CUDA
+    library that does not load, a warning) passes through, after the import. Elsewhere, nothing.
+
+    Call after anything that must precede TensorFlow's import (topology.bind_at_start)."""
+    if not _banner_quiet or "tensorflow" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:  # a file, not a pipe: nothing the import writes can block it
+        os.dup2(capture.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            lines = capture.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not any(banner in line for banner in IMPORT_BANNER)))
+            sys.stderr.flush()
 
 
 def _runs_as_program(module_name: str) -> bool:

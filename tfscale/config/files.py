@@ -4,6 +4,7 @@ the recipes bundled in the package found by name from any directory.
 
 from __future__ import annotations
 
+import ast
 import os
 
 import ml_collections
@@ -25,6 +26,30 @@ def resolve_config_path(path: str) -> str:
     bundled = os.path.join(BUNDLED_CONFIG_DIR, name if name.endswith(".py") else name + ".py")
     in_configs = os.path.dirname(path) in ("", "configs") or os.path.basename(os.path.dirname(path)) == "configs"
     return bundled if in_configs and os.path.isfile(bundled) else path
+
+
+def bundled_recipes() -> list[tuple[str, tuple[str, ...], str]]:
+    """(name, its `:ARG` variants, the first line of its docstring) of every bundled recipe, read from the files'
+    text (no recipe is imported: --help stays fast). A recipe lists its variants in a module-level VARIANTS."""
+    recipes = []
+    for file in sorted(os.listdir(BUNDLED_CONFIG_DIR)):
+        if not file.endswith(".py") or file.startswith("_"):
+            continue
+        with open(os.path.join(BUNDLED_CONFIG_DIR, file)) as f:
+            module = ast.parse(f.read())
+        doc = (ast.get_docstring(module) or "").split("\n")[0]
+        variants = ()
+        for node in module.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "VARIANTS" for t in node.targets):
+                variants = tuple(ast.literal_eval(node.value))
+        recipes.append((file[:-3], variants, doc))
+    return recipes
+
+
+def recipes_help() -> str:
+    """The bundled recipes as --help lists them under --config: `name[:variant|...]: what it is`."""
+    return "\n".join(f"  {name}{'[:' + '|'.join(variants) + ']' if variants else ''}: {doc}"
+                     for name, variants, doc in bundled_recipes())
 
 
 def resolve_config_arg(arg: str) -> str:

@@ -49,6 +49,9 @@ def imagenet_resnet50():
     return c
 
 
+VARIANTS = ("xla", "amp", "amp_bf16")  # GPU_VARIANTS by name, for --help (which reads this file's text)
+
+
 def get_config(variant=None):
     c = imagenet_resnet50()
     c.data.max_per_replica_batch_size = 256  # one GPU

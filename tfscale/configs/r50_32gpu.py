@@ -34,6 +34,9 @@ from tfscale.config import gpu_variant
 from tfscale.configs import r50_1gpu
 
 
+VARIANTS = ("xla", "amp", "amp_bf16")  # GPU_VARIANTS by name, for --help (which reads this file's text)
+
+
 def get_config(variant=None):
     c = r50_1gpu.imagenet_resnet50()
     c.model.zero_init_residual = True

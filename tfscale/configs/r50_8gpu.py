@@ -31,6 +31,9 @@ from tfscale.config import gpu_variant
 from tfscale.configs import r50_1gpu
 
 
+VARIANTS = ("xla", "amp", "amp_bf16")  # GPU_VARIANTS by name, for --help (which reads this file's text)
+
+
 def get_config(variant=None):
     c = r50_1gpu.imagenet_resnet50()
     c.data.global_batch_size = 1024  # 8 GPUs x 128 -> lr 0.4

@@ -23,7 +23,7 @@ per-replica limit (128) says when refused.
 from tfscale.errors import ConfigError
 from tfscale.configs import r50_32gpu
 
-METHODS = ("naive", "linear", "stepping5", "stepping5_32", "gradual5", "gradual10")
+METHODS = VARIANTS = ("naive", "linear", "stepping5", "stepping5_32", "gradual5", "gradual10")
 SINGLE_GPU_BATCH = 128  # the study's 1-GPU run: the gradual warmups start at its LR
 
 

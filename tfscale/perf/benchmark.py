@@ -37,6 +37,7 @@ from tfscale.workdir import layout
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
 topology.bind_at_start()  # a task of the templates' step: near its GPU, before TF sizes its pools from the mask
+logs.import_tensorflow_without_banner()  # a program: TensorFlow without its oneDNN notice
 
 import copy
 import json

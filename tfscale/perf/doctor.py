@@ -34,10 +34,10 @@ work; their speed means nothing there). Throughput runs only on a GPU.
 
 from __future__ import annotations
 
-from tfscale import cli, errors, logs
-from tfscale.cluster import horovod_start
+from tfscale import logs
 
 logs.quiet_tensorflow_banner(__name__)  # run as a program: TF's C++ INFO banner off, before TF is imported
+logs.import_tensorflow_without_banner()  # a program: TensorFlow without its oneDNN notice
 
 import dataclasses
 import importlib.metadata
@@ -50,9 +50,9 @@ import numpy as np
 import tensorflow as tf
 from absl import app, flags, logging
 
+from tfscale import cli, errors, io
 from tfscale import config as tfs_config
-from tfscale import io
-from tfscale.cluster import devices, distribute, driver
+from tfscale.cluster import devices, distribute, driver, horovod_start
 from tfscale.perf import collective_probe, gpu_probe
 from tfscale.perf.doctor_checks import CHECK_NAMES, FAIL, NA, PASS, SLOW_CHECKS, Check
 from tfscale.perf.doctor_speed import check_gpu_bandwidth, check_throughput, gpu_name

@@ -223,8 +223,7 @@ def define_flags() -> None:
     from absl import flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", None, "Config file (or bundled recipe name) of the job to plan.",
-                                    lock_config=True)
+    config_flags.DEFINE_config_file("config", None, cli.config_help("The job to plan"), lock_config=True)
     flags.DEFINE_string("system", "p100_ib_4gpu", "A cluster: a JSON file of tfscale.planning.plan_model.System's fields, or "
                         "one of the named systems (tfscale.planning.plan_published: SYSTEMS, REFERENCE_SYSTEMS).")
     flags.DEFINE_list("gpus", [], "GPU counts to predict (default: 1, 2, .. a node, then doubling to --max_gpus).")
@@ -248,7 +247,8 @@ def run():
 
     from tfscale import config as tfs_config
 
-    define_flags()
+    cli.define_key_flags(define_flags)  # --help lists them under a console script too
+    cli.adopt_usage(__name__)
     sys.argv = [tfs_config.resolve_config_arg(arg) for arg in sys.argv]
     app.run(main, flags_parser=cli.parse_flags)
 
