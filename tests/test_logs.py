@@ -15,7 +15,6 @@ from absl import logging
 from conftest import REPO, without_tf_import_notices
 
 from tfscale import logs
-from tfscale.training import callbacks
 from tfscale.workdir import layout
 
 # absl's Python header and the C++ runtime's: severity, date, time, thread/pid, then file:line] message.
@@ -51,10 +50,10 @@ def assert_no_banner(text):
 
 
 def test_format_duration():
-    assert callbacks.format_duration(0) == "0:00:00"
-    assert callbacks.format_duration(59.6) == "0:01:00"
-    assert callbacks.format_duration(3723.2) == "1:02:03"
-    assert callbacks.format_duration(100000) == "27:46:40"  # hours, not days: adds up on a clock
+    assert logs.format_duration(0) == "0:00:00"
+    assert logs.format_duration(59.6) == "0:01:00"
+    assert logs.format_duration(3723.2) == "1:02:03"
+    assert logs.format_duration(100000) == "27:46:40"  # hours, not days: adds up on a clock
 
 
 def test_banner_level_is_set_for_programs_only_and_never_over_the_users(monkeypatch):

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import checkpoint_values, load_config, read_jsonl, run_cli, stop_at_step, without_tf_import_notices
 
 from tfscale.training import train
@@ -109,9 +110,20 @@ def test_nonfinite_loss_stops_with_step_number(tmp_path):
 @pytest.mark.slow
 def test_cli_trains_then_resumes_instead_of_restarting(tmp_path):
     workdir = str(tmp_path / "run")
-    first = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}")
+    first = run_cli("tfscale.train", "--config=configs/smoke.py", f"--workdir={workdir}",
+                    "--config.train.progress_every_s=0")  # every eval batch says how far the eval is
     assert first.returncode == 0, first.stderr[-3000:]
     assert "eval at step 60" in first.stderr
+    # No silent minutes: the first step's tracing and compiling is one line before the first logged step, and an
+    # eval says how far it is (here after every batch; by default every 30 s).
+    lines = first.stderr.splitlines()
+    compiled = [i for i, line in enumerate(lines) if re.search(r"\] step 1 ran in [\d.]+ s: the training loop traced "
+                                                               r"and compiled \(XLA off\), the input's first batch read", line)]
+    first_logged = next(i for i, line in enumerate(lines) if re.search(r"\] step 10/60 ", line))
+    assert len(compiled) == 1 and compiled[0] < first_logged, first.stderr[-3000:]
+    for step in (30, 60):
+        progress = [line for line in lines if re.search(rf"\] eval at step {step}: \d+/16 batches in \d+ s, eta ", line)]
+        assert len(progress) == 15, progress  # all but the last batch
     # jit_compile's default decided as Keras' compile decides it, said once, and recorded.
     assert "config.jit_compile=auto -> False: the replicas are CPUs" in first.stderr
     with open(os.path.join(workdir, layout.CONFIG)) as f:
@@ -140,3 +152,15 @@ def test_cli_unknown_key_is_a_clear_error(tmp_path):
     last_line = result.stderr.strip().splitlines()[-1]
     assert "unknown config key" in last_line and "--config.optim.lrr=1" in last_line and '"lr"' in last_line
     assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_an_eval_says_how_far_it_is_only_when_it_runs_long():
+    from tfscale.training import engine
+
+    said = []
+    one_batch = lambda iterator: tf.constant([0.5, 1.0, 2.0, 4.0])  # noqa: E731 - loss sum, top-1, top-5, examples
+    results = engine.evaluate(one_batch, None, 5, progress_every_s=3600, say=said.append)
+    assert said == [] and results["eval_examples"] == 20 and results["eval_top1"] == 0.25
+    engine.evaluate(one_batch, None, 5, progress_every_s=0, say=said.append)
+    assert [text.split(" batches")[0] for text in said] == ["1/5", "2/5", "3/5", "4/5"]
+    assert all(re.fullmatch(r"\d/5 batches in \d+ s, eta \d+:\d\d:\d\d", text) for text in said), said

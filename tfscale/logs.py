@@ -152,3 +152,10 @@ def _drop_tensorflow_info(record: std_logging.LogRecord) -> bool:
     if _TENSORFLOW_DIRS is None:
         _TENSORFLOW_DIRS = _tensorflow_dirs()
     return not record.pathname.startswith(_TENSORFLOW_DIRS)
+
+
+def format_duration(seconds: float) -> str:
+    """Whole seconds as H:MM:SS (hours may exceed 24: '27:46:40'), the form a reader adds to a clock."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"

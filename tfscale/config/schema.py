@@ -122,6 +122,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.steps_per_loop = 100  # steps inside one tf.function between host syncs (cut at log/eval/checkpoint steps)
     c.train.eval_every_epochs = 1.0  # evaluate this often (and always at the end)
     c.train.eval_steps = -1  # -1: the whole eval set once; >0: cap for quick checks
+    c.train.progress_every_s = 30.0  # an eval that runs longer says how far it is this often (batches, eta)
     c.train.overlap_epochs = False  # True: train.epochs counts data passes; run ceil(epochs/C) passes of each worker's C*N/M examples
 
     c.checkpoint = ml_collections.ConfigDict()

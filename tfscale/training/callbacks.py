@@ -22,6 +22,7 @@ from absl import logging
 from tfscale import config as tfs_config
 from tfscale import io
 from tfscale.config import derived
+from tfscale.logs import format_duration
 from tfscale.model import optim, schedules
 from tfscale.workdir import layout
 
@@ -123,13 +124,6 @@ class MetricsLogger(keras.callbacks.Callback):
         """Throughput without the first interval after a (re)start, which pays for tracing."""
         seconds_per_step = self._seconds_per_step()
         return round(self.global_batch_size / seconds_per_step, 2) if seconds_per_step > 0 else None
-
-
-def format_duration(seconds: float) -> str:
-    """Whole seconds as H:MM:SS (hours may exceed 24: '27:46:40'), the form a reader adds to a clock."""
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 def profiler_callbacks(profile_steps: str, logdir: str, *, is_chief: bool) -> list[keras.callbacks.Callback]:

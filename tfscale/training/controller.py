@@ -81,9 +81,16 @@ class Controller:
             if first_batch == 0:
                 callbacks.on_epoch_begin(epoch)
             callbacks.on_train_batch_begin(first_batch, {"global_step": step})
-            loop_end = next_loop_end(run, step, plan)
+            # The first loop runs one step: it pays for tracing, compiling and the input's first batch, which
+            # take minutes on a GPU before the first logged step; a line then says how long they took.
+            loop_end = step + 1 if step == self.start_step else next_loop_end(run, step, plan)
             self.loops.learning_rate.follow_callbacks(step)  # a callback may have set the LR since the last loop
+            started = time.perf_counter()
             losses, workers_stopping = self._run_loop(self.loops.loop_for(step), iterator, loop_end - step)
+            if step == self.start_step:
+                logging.info("step %d ran in %.1f s: the training loop traced and compiled (XLA %s), the input's "
+                             "first batch read; training goes on", loop_end, time.perf_counter() - started,
+                             "on" if run.cfg.jit_compile is True else "off")
             if loop_end == steps.train_steps:
                 self.end_of_run.last_step_done()
                 with self.end_of_run.part("input_release"):
@@ -162,19 +169,20 @@ def make_evaluator(run: engine.Run, model, callbacks: keras.callbacks.CallbackLi
     steps = run.steps
     use_ema = ema.is_on(model.optimizer)  # engine.build_model_and_optimizer sets model.optimizer
 
-    def eval_once() -> dict:
+    def eval_once(step: int, weights: str = "") -> dict:
         nonlocal eval_batches
         with naming_bad_data(run, run.cfg.data.eval_split):
             if eval_batches is None:
                 eval_batches = iter(engine.eval_dataset(run))
-            return engine.evaluate(eval_step, eval_batches, steps.eval_steps)
+            return engine.evaluate(eval_step, eval_batches, steps.eval_steps, run.cfg.train.progress_every_s,
+                                   say=lambda text: logging.info("eval at step %d%s: %s", step, weights, text))
 
     def evaluate(step: int) -> dict:
         callbacks.on_test_begin()
-        results = eval_once()
+        results = eval_once(step)
         if use_ema:
             with ema.swapped_in(model, model.optimizer):
-                averaged = eval_once()
+                averaged = eval_once(step, " (EMA weights)")
             results.update({f"{key}_ema": averaged[key] for key in ("eval_top1", "eval_top5", "eval_loss")})
             logging.info("eval at step %d: top-1 %.4f  top-5 %.4f  loss %.4f  EMA weights: top-1 %.4f  top-5 %.4f  "
                          "loss %.4f  (%d examples)", step, results["eval_top1"], results["eval_top5"],

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
+from typing import Callable
 
 import keras
 import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from tfscale import cli
+from tfscale import cli, logs
 from tfscale import config as tfs_config
 from tfscale.cluster import distribute
 from tfscale.config import validation
@@ -333,12 +335,20 @@ def make_eval_step(cfg, cluster, model):
     return eval_step
 
 
-def evaluate(eval_step, iterator, num_steps: int) -> dict:
+def evaluate(eval_step, iterator, num_steps: int, progress_every_s: float = 0.0,
+             say: Callable[[str], None] | None = None) -> dict:
     """Runs the eval set once (`num_steps` batches of `eval_dataset`'s iterator); metrics are exact
-    example counts over all replicas."""
+    example counts over all replicas. With `say`, every `progress_every_s` seconds: how many batches are done
+    and when the eval will end (minutes of silence on a large eval set otherwise)."""
     totals = tf.zeros([4])
-    for _ in range(num_steps):
+    start = last_said = time.perf_counter()
+    for done in range(1, num_steps + 1):
         totals += eval_step(iterator)
+        now = time.perf_counter()
+        if say is not None and done < num_steps and now - last_said >= progress_every_s:
+            eta_s = (now - start) / done * (num_steps - done)
+            say(f"{done}/{num_steps} batches in {now - start:.0f} s, eta {logs.format_duration(eta_s)}")
+            last_said = now
     loss_sum, top1_hits, top5_hits, examples = totals.numpy().tolist()
     return {
         "eval_loss": loss_sum / examples,

@@ -46,6 +46,7 @@ from tfscale.workdir import layout
 SAFE_TO_CHANGE = (
     "train.epochs",  # extend (or cut) the run; the LR schedule's horizon moves with it
     "train.log_every_steps", "train.steps_per_loop", "train.eval_every_epochs", "train.eval_steps",
+    "train.progress_every_s",
     "checkpoint.*", "profile_steps", "resume.*", "benchmark.*",
     "model.init_from", "model.init_skip_head",  # read by fresh runs only: a resume restores the checkpoint
     "data.data_dir", "data.stage_dir",  # where the same shards are (another node's local disk)
