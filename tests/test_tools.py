@@ -119,6 +119,13 @@ def test_soak_survives_a_fault_and_ends_with_the_reference_weights(tmp_path):
     report = json.loads((tmp_path / "soak.json").read_text())
     assert report["cycles"] == 1 and report["failures"] == [], result.stdout
     assert report["final"]["weights_equal"] and report["final"]["rows_unique_and_complete"], report["final"]
+    # Run again over the same workdir, as a user would: the reference is reused, the soak run starts from step 0
+    # (over the first one's finished run, each cycle would resume at its end and fail).
+    again = run_target("soak", f"--workdir={tmp_path}", "--epochs=1", CYCLES=1, timeout_s=900)
+    assert f"soak: reusing the reference run {tmp_path / 'reference'}" in again.stdout
+    assert f"soak: removing the previous soak's run {tmp_path / 'run'} and its logs" in again.stdout
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert report["failures"] == [] and report["final"]["weights_equal"], again.stdout
 
 
 @pytest.mark.slow

@@ -16,13 +16,17 @@ from the newest usable checkpoint. After the cycles the run is finished and must
 reference run's weights (same steps, same data order), one metrics row per logged step.
 
 Writes WORKDIR/soak.json (every cycle: fault, rank, step, exit code, seconds to exit, where the next
-run resumed) and prints a summary; exits 1 when any cycle or the final comparison failed.
+run resumed) and prints a summary; exits 1 when any cycle or the final comparison failed. Run again over
+the same workdir, it reuses the reference run when it has the same length, workers and backend, and starts
+its soak run from step 0 (the previous one is removed, said in one line).
 """
 
+import glob
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,6 +159,29 @@ def compare(soaked: str, reference: str) -> dict:
     return {"weights_equal": bool(equal), "max_abs_difference": max_diff}
 
 
+def reference_matches(reference: str, epochs: float) -> bool:
+    """Whether `reference` is a finished run of this soak's length, worker count and backend (a rerun reuses it)."""
+    try:
+        with open(os.path.join(reference, layout.SUMMARY)) as f:
+            summary = json.load(f)
+        with open(os.path.join(reference, layout.CONFIG)) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (config["train"]["epochs"] == epochs and summary.get("num_workers") == _WORKERS.value
+            and config["distribute"]["backend"] == _BACKEND.value)
+
+
+def start_fresh(root: str, soaked: str) -> None:
+    """A soak's run starts at step 0: a previous soak's run (finished, or stopped mid-cycle) and its cycle logs
+    go, said in one line; its soak.json stays until this soak writes its own."""
+    if os.path.exists(soaked):
+        print(f"soak: removing the previous soak's run {soaked} and its logs: every soak starts from step 0")
+        shutil.rmtree(soaked)
+    for log in glob.glob(os.path.join(root, "cycle-*.log")) + glob.glob(os.path.join(root, "final.log")):
+        os.remove(log)
+
+
 def main(argv):
     del argv
     root = os.path.abspath(_WORKDIR.value)
@@ -165,8 +192,12 @@ def main(argv):
     reference, soaked = os.path.join(root, "reference"), os.path.join(root, "run")
     rng = random.Random(_SEED.value)
     print(f"soak: reference run of {int(epochs * STEPS_PER_EPOCH)} steps on {_WORKERS.value} {_BACKEND.value} workers")
-    if not os.path.exists(os.path.join(reference, layout.SUMMARY)):
+    if reference_matches(reference, epochs):
+        print(f"soak: reusing the reference run {reference} (same length, workers and backend)")
+    else:
+        shutil.rmtree(reference, ignore_errors=True)  # another soak's length, or stopped before its end
         run_to_end(reference, epochs, os.path.join(root, "reference.log"))
+    start_fresh(root, soaked)
     cycles = []
     for cycle in range(1, _CYCLES.value + 1):
         record = one_cycle(cycle, soaked, epochs, rng)
