@@ -229,7 +229,8 @@ def test_full_disk_names_the_path_and_keeps_every_earlier_file(small_disk, tmp_p
     assert code == 74, output[-3000:]
     # A row's bytes may still fit in the last page of metrics.jsonl: then TensorBoard's or the next
     # checkpoint's write is the one that fails.
-    assert re.search(rf"could not write {run}/(metrics.jsonl|tensorboard|checkpoints/ckpt-40): .*No space left on "
+    assert re.search(rf"could not write {run}/(metrics.jsonl|tensorboard/train|tensorboard/validation|"
+                     rf"checkpoints/ckpt-40): .*No space left on "
                      r"device.* \(0\.\d MiB free of 8\.0 MiB on that file system\); exit code 74", output)
     with open(run / layout.METRICS) as f:
         text = f.read()

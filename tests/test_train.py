@@ -54,6 +54,25 @@ def test_metrics_rows(smoke_run):
     assert 0.0 <= eval_rows[-1]["eval_top1"] <= eval_rows[-1]["eval_top5"] <= 1.0
 
 
+def test_tensorboard_has_train_and_validation_runs_with_shared_tags(smoke_run):
+    # Read back as TensorBoard reads them: two runs whose curves of a tag overlay (Keras' train/ and validation/).
+    from tensorboard.backend.event_processing import event_accumulator
+
+    root = os.path.join(smoke_run[0], layout.TENSORBOARD)
+    rows = read_jsonl(os.path.join(smoke_run[0], layout.METRICS))
+    runs = {}
+    for run in ("train", "validation"):
+        events = event_accumulator.EventAccumulator(os.path.join(root, run), size_guidance={"tensors": 0})
+        events.Reload()
+        runs[run] = {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
+                     for tag in events.Tags()["tensors"]}
+    assert {"loss", "lr", "images_per_sec", "epoch"} <= set(runs["train"]) and "top1" not in runs["train"]
+    assert {"loss", "top1", "top5", "examples", "epoch"} == set(runs["validation"])
+    assert runs["train"]["loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows if "loss" in r]
+    assert runs["validation"]["top1"] == [(r["step"], pytest.approx(r["eval_top1"])) for r in rows if "eval_top1" in r]
+    assert runs["validation"]["loss"] == [(r["step"], pytest.approx(r["eval_loss"])) for r in rows if "eval_loss" in r]
+
+
 def test_learnable_task_learns(smoke_run):
     rows = read_jsonl(os.path.join(smoke_run[0], layout.METRICS))
     losses = [r["loss"] for r in rows if "loss" in r]

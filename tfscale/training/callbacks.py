@@ -12,6 +12,7 @@ made here from `is_chief`, not scattered through the loop.
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Callable
 
@@ -27,8 +28,13 @@ from tfscale.model import optim, schedules
 from tfscale.workdir import layout
 
 
+TENSORBOARD_RUNS = ("train", "validation")  # under WORKDIR/tensorboard
+EVAL_PREFIX = "eval_"  # metrics.jsonl's eval fields; TensorBoard's validation run drops it: eval_top1 -> top1
+
+
 class MetricsLogger(keras.callbacks.Callback):
-    """Chief-only progress: absl log lines, `metrics.jsonl` rows and TensorBoard scalars.
+    """Chief-only progress: absl log lines, `metrics.jsonl` rows and TensorBoard scalars (runs `train/` and
+    `validation/` under WORKDIR/tensorboard, sharing tag names: loss, and top1/top5 of the eval).
 
     images/sec is measured over training steps only: the clock restarts after each evaluation, so an
     eval pass never dilutes the throughput figure. The step line ends with `eta H:MM:SS`: the steps
@@ -50,12 +56,16 @@ class MetricsLogger(keras.callbacks.Callback):
         self.train_steps = train_steps
         self.log_every_steps = log_every_steps
         self.metrics_path = layout.metrics(workdir)
-        self.writer, self.writer_dir = None, layout.tensorboard(workdir)
+        # TensorBoard runs as Keras' TensorBoard callback names them: train/ and validation/, with the same tags
+        # (loss; top1, top5 for the eval), so the two curves of a tag overlay in one chart.
+        self.writer_dirs = {run: os.path.join(layout.tensorboard(workdir), run) for run in TENSORBOARD_RUNS}
+        self.writers = {}
         if is_chief:
-            try:
-                self.writer = tf.summary.create_file_writer(self.writer_dir)
-            except tf.errors.OpError as err:  # e.g. a full disk: TensorFlow writes the first event at once
-                raise io.write_error(self.writer_dir, err) from err
+            for run, directory in self.writer_dirs.items():
+                try:
+                    self.writers[run] = tf.summary.create_file_writer(directory)
+                except tf.errors.OpError as err:  # e.g. a full disk: TensorFlow writes the first event at once
+                    raise io.write_error(directory, err) from err
         self.intervals = []  # (steps, seconds) of each logged training interval
         self._mark_time = None
         self._mark_step = None
@@ -105,14 +115,15 @@ class MetricsLogger(keras.callbacks.Callback):
         row = {k: int(v) if k in ("step", "eval_examples") else v for k, v in row.items()}
         row["time"] = round(time.time(), 3)
         io.append_line(self.metrics_path, json.dumps(row))  # whole or not at all, even on a full disk
+        run = "validation" if any(key.startswith(EVAL_PREFIX) for key in row) else "train"
         try:
-            with self.writer.as_default(step=int(row["step"])):
+            with self.writers[run].as_default(step=int(row["step"])):
                 for key, value in row.items():
                     if key not in ("step", "time"):
-                        tf.summary.scalar(key, value)
-            self.writer.flush()
+                        tf.summary.scalar(key.removeprefix(EVAL_PREFIX), value)
+            self.writers[run].flush()
         except tf.errors.OpError as err:
-            raise io.write_error(self.writer_dir, err) from err
+            raise io.write_error(self.writer_dirs[run], err) from err
 
     def _seconds_per_step(self) -> float:
         """Mean training-step time without the first interval after a (re)start, which pays for tracing."""
