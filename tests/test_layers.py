@@ -37,7 +37,7 @@ FLOORS = [
     # every key, its accepted values and its checks (config.names imports nothing of tfscale)
     ["config"],
     ["io"],
-    ["errors", "logs", "tfscale"],
+    ["errors", "logs", "compat", "tfscale"],
 ]
 
 

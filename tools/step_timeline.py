@@ -33,6 +33,7 @@ import sys
 
 from absl import app, flags
 
+from tfscale import compat
 from tfscale.workdir import layout
 
 _STEP_EVENT = flags.DEFINE_string("step_event", "batch_step", "Name of the tf.function whose executions are steps.")
@@ -51,7 +52,10 @@ def _union_ps(intervals) -> int:
 
 def load_trace(workdir: str):
     """The XSpace of the newest profiler trace under `workdir`."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # TensorFlow's own trace format
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2  # TensorFlow's own trace format
+    except ImportError:
+        sys.exit(f"step_timeline: {compat.hook_note('tensorflow', 'tensorflow.tsl.profiler.protobuf.xplane_pb2')}")
 
     traces = sorted(glob.glob(os.path.join(workdir, layout.TENSORBOARD, "plugins", "profile", "*", "*.xplane.pb")))
     if not traces:

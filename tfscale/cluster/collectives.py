@@ -20,6 +20,8 @@ from absl import logging
 from tensorflow.python.data.ops import multi_device_iterator_ops  # see untune_device_datasets
 from tensorflow.python.ops import collective_ops  # sub-group all-reduce; tf.distribute's API has none
 
+from tfscale import compat
+
 # Collective keys of household all-reduces under tf.distribute: far above the small group keys
 # MultiWorkerMirroredStrategy allocates from 1 upwards, so they never collide.
 _HOUSEHOLD_GROUP_KEY_BASE = 1 << 20
@@ -53,9 +55,9 @@ def untune_device_datasets() -> None:
     """
     build = getattr(multi_device_iterator_ops, "_create_device_dataset", None)
     if build is None:
-        logging.warning("tf.distribute's per-device input datasets keep tf.data's autotuner in TensorFlow %s "
-                        "(multi_device_iterator_ops._create_device_dataset is gone): a run's end may wait "
-                        "for its model thread", tf.__version__)
+        logging.warning("tf.distribute's per-device input datasets keep tf.data's autotuner: %s. A run's end "
+                        "may wait for its model thread",
+                        compat.hook_note("tensorflow", "multi_device_iterator_ops._create_device_dataset"))
         return
     if getattr(build, "untuned", False):
         return

@@ -41,6 +41,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
+from tfscale import compat
 from tfscale.config import validation
 from tfscale.errors import EXIT_CLUSTER_UNAVAILABLE, ClusterUnavailable
 
@@ -228,13 +229,13 @@ def _coordination_service_api() -> tuple[Callable[..., None], type]:
 
     configure = getattr(context.context(), "configure_coordination_service", None)
     if configure is None:
-        raise LookupError("tensorflow.python.eager.context.context() has no configure_coordination_service")
+        raise LookupError(compat.hook_note("tensorflow", "context().configure_coordination_service"))
     for name in _COORDINATION_CONFIG_MODULES:
         try:
             return configure, importlib.import_module(name).CoordinatedJob
         except (ImportError, AttributeError):
             continue
-    raise LookupError(f"no CoordinatedJob protobuf in {' or '.join(_COORDINATION_CONFIG_MODULES)}")
+    raise LookupError(compat.hook_note("tensorflow", f"CoordinatedJob in {' or '.join(_COORDINATION_CONFIG_MODULES)}"))
 
 
 def _configure_coordination_service(tf_config: dict, heartbeat_timeout_s: float,

@@ -35,10 +35,16 @@ import keras
 import tensorflow as tf
 from absl import logging
 from keras import layers
-from keras.src.models.functional import Functional  # Sequential too: a layer graph clone_model rebuilds (no public name)
 
+from tfscale import compat
 from tfscale.errors import ConfigError
 from tfscale.model import models
+
+try:
+    from keras.src.models.functional import Functional  # Sequential too: a layer graph clone_model rebuilds
+except ImportError as err:  # no public name for it
+    raise compat.MissingHook("tfscale's user models need a private keras internal: "
+                             + compat.hook_note("keras", "keras.src.models.functional.Functional")) from err
 
 if TYPE_CHECKING:
     import ml_collections

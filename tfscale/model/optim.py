@@ -24,6 +24,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfscale import compat
+
 OPTIMIZERS = ("sgd", "lars")
 
 
@@ -221,10 +223,8 @@ def make_optimizer(optim_cfg, learning_rate: float, *, reduced_gradients: bool =
 def _subclassed(optimizer: keras.optimizers.Optimizer, prefix: str, methods: dict) -> keras.optimizers.Optimizer:
     """A copy of `optimizer` (its config) whose class is its own with `methods` overridden."""
     base = type(optimizer)
-    if not callable(getattr(base, "_all_reduce_sum_gradients", None)):
-        raise RuntimeError(
-            f"tfscale's {prefix} optimizer needs Keras' TensorFlow optimizer hook _all_reduce_sum_gradients "
-            f"(Keras 3.15), which Keras {keras.__version__} lacks")
+    compat.require(callable(getattr(base, "_all_reduce_sum_gradients", None)), "keras",
+                   "TensorFlow optimizer hook _all_reduce_sum_gradients", f"tfscale's {prefix} optimizer")
     subclass = type(f"{prefix}{base.__name__}", (base,), methods)
     return subclass.from_config(optimizer.get_config())
 

@@ -38,7 +38,7 @@ from typing import Callable
 import tensorflow as tf
 from absl import logging
 
-from tfscale import io
+from tfscale import compat, io
 from tfscale.errors import CheckpointError
 from tfscale.workdir import layout
 
@@ -186,6 +186,9 @@ def _fix_keras_async_copy() -> None:
     """
     from keras.src.backend.tensorflow import core  # the Keras variable class of the TensorFlow backend
 
+    compat.require("_copy_trackable_to_cpu" in vars(core.Variable), "keras",  # its own, which the fix replaces
+                   "keras.src.backend.tensorflow.core.Variable._copy_trackable_to_cpu",
+                   "tfscale's asynchronous checkpoints")
     if getattr(core.Variable._copy_trackable_to_cpu, "copies_once", False):
         return
 
