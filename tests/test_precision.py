@@ -54,7 +54,7 @@ def test_float16_loss_scaling_skips_an_overflowing_step_and_lowers_the_scale(flo
     train_loop = engine.make_train_loop(cfg, cluster, model, optimizer, step=tf.Variable(0, dtype=tf.int64))
 
     def step(iterator, stop):  # one global step: (loss, replicas stopping)
-        losses, stopping = train_loop(iterator, stop, tf.constant(1))
+        losses, _, stopping = train_loop(iterator, stop, tf.constant(1))
         return tf.stack([losses[0], stopping])
 
     data = cluster.strategy.distribute_datasets_from_function(

@@ -42,8 +42,8 @@ def test_metrics_rows(smoke_run):
     eval_rows = [r for r in rows if "eval_top1" in r]
     assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
     for row in train_rows:
-        assert set(row) == {"step", "epoch", "loss", "lr", "images_per_sec", "time"}
-        assert row["images_per_sec"] > 0
+        assert set(row) == {"step", "epoch", "loss", "top1", "lr", "images_per_sec", "time"}
+        assert row["images_per_sec"] > 0 and 0 <= row["top1"] <= 1
     # Every row, eval rows too, carries its wall-clock time (Unix seconds), in the order written.
     times = [r["time"] for r in rows]
     assert times == sorted(times) and time.time() - 3600 < times[0]
@@ -66,9 +66,10 @@ def test_tensorboard_has_train_and_validation_runs_with_shared_tags(smoke_run):
         events.Reload()
         runs[run] = {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
                      for tag in events.Tags()["tensors"]}
-    assert {"loss", "lr", "images_per_sec", "epoch"} <= set(runs["train"]) and "top1" not in runs["train"]
+    assert {"loss", "top1", "lr", "images_per_sec", "epoch"} == set(runs["train"])
     assert {"loss", "top1", "top5", "examples", "epoch"} == set(runs["validation"])
     assert runs["train"]["loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows if "loss" in r]
+    assert runs["train"]["top1"] == [(r["step"], pytest.approx(r["top1"])) for r in rows if "loss" in r]
     assert runs["validation"]["top1"] == [(r["step"], pytest.approx(r["eval_top1"])) for r in rows if "eval_top1" in r]
     assert runs["validation"]["loss"] == [(r["step"], pytest.approx(r["eval_loss"])) for r in rows if "eval_loss" in r]
 
@@ -77,8 +78,19 @@ def test_learnable_task_learns(smoke_run):
     rows = read_jsonl(os.path.join(smoke_run[0], layout.METRICS))
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < 0.75 * losses[0], losses
+    top1s = [r["top1"] for r in rows if "loss" in r]  # training top-1 of each logged step's batch of 32
+    assert top1s[-1] > top1s[0] + 0.2, top1s
     # 10 classes: chance is 0.1
     assert smoke_run[1]["eval_top1"] > 0.3
+
+
+def test_training_top1_counts_the_largest_logit_against_the_class_or_the_largest_soft_target():
+    from tfscale.training import engine
+
+    logits = tf.constant([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [0.0, 1.0, 5.0], [4.0, 0.0, 1.0]])
+    assert engine.top1_hits(tf.constant([0, 1, 0, 2]), logits).numpy().tolist() == [1, 1, 0, 0]
+    mixed = tf.constant([[0.7, 0.3, 0.0], [0.4, 0.6, 0.0], [0.0, 0.55, 0.45], [0.6, 0.0, 0.4]])  # MixUp's targets
+    assert engine.top1_hits(mixed, logits).numpy().tolist() == [1, 1, 0, 1]
 
 
 def test_lr_follows_warmup_then_cosine(smoke_run):

@@ -122,9 +122,9 @@ def make_forward_backward_step(cfg, cluster, model, optimizer):
     loss_and_grads = engine.make_loss_and_grads(cfg, cluster, model, optimizer)
 
     def replica_fn(images, labels):
-        loss_share, grads = loss_and_grads(images, labels)
+        shares, grads = loss_and_grads(images, labels)
         # One element of every gradient, so none is pruned, at no cost worth measuring.
-        return loss_share + tf.add_n([tf.reshape(g, [-1])[0] for g in grads])
+        return shares[0] + tf.add_n([tf.reshape(g, [-1])[0] for g in grads])
 
     @tf.function
     def forward_backward(batch):

@@ -34,7 +34,9 @@ EVAL_PREFIX = "eval_"  # metrics.jsonl's eval fields; TensorBoard's validation r
 
 class MetricsLogger(keras.callbacks.Callback):
     """Chief-only progress: absl log lines, `metrics.jsonl` rows and TensorBoard scalars (runs `train/` and
-    `validation/` under WORKDIR/tensorboard, sharing tag names: loss, and top1/top5 of the eval).
+    `validation/` under WORKDIR/tensorboard, sharing tag names: loss and top1, and the eval's top5). A training
+    row's `loss` and `top1` are those of the logged step's global batch (augmented, BatchNorm in training mode:
+    noisier than the eval's, and below it on a model that generalises), as a resumed run logs them too.
 
     images/sec is measured over training steps only: the clock restarts after each evaluation, so an
     eval pass never dilutes the throughput figure. The step line ends with `eta H:MM:SS`: the steps
@@ -57,7 +59,7 @@ class MetricsLogger(keras.callbacks.Callback):
         self.log_every_steps = log_every_steps
         self.metrics_path = layout.metrics(workdir)
         # TensorBoard runs as Keras' TensorBoard callback names them: train/ and validation/, with the same tags
-        # (loss; top1, top5 for the eval), so the two curves of a tag overlay in one chart.
+        # (loss, top1; top5 for the eval), so the two curves of a tag overlay in one chart.
         self.writer_dirs = {run: os.path.join(layout.tensorboard(workdir), run) for run in TENSORBOARD_RUNS}
         self.writers = {}
         if is_chief:
@@ -92,6 +94,7 @@ class MetricsLogger(keras.callbacks.Callback):
             "step": step,
             "epoch": round(step / self.steps_per_epoch, 4),
             "loss": float(logs["loss"]),
+            **({"top1": float(logs["top1"])} if "top1" in logs else {}),
             "lr": float(self.model.optimizer.learning_rate.numpy()),
             "images_per_sec": round(steps * self.global_batch_size / elapsed_s, 2),
             **(self.extra_fields() if self.extra_fields else {}),
@@ -101,8 +104,9 @@ class MetricsLogger(keras.callbacks.Callback):
             row["grad_norm"] = grad_norm
         if self.is_chief:
             logging.info(
-                "step %d/%d  epoch %.2f  loss %.4f  lr %.5g  images/sec %.1f  eta %s",
-                step, self.train_steps, row["epoch"], row["loss"], row["lr"], row["images_per_sec"],
+                "step %d/%d  epoch %.2f  loss %.4f  top-1 %.3f  lr %.5g  images/sec %.1f  eta %s",
+                step, self.train_steps, row["epoch"], row["loss"], row.get("top1", float("nan")), row["lr"],
+                row["images_per_sec"],
                 format_duration((self.train_steps - step) * self._seconds_per_step()),
             )
         self._write_row(row)

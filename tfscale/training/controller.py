@@ -86,7 +86,7 @@ class Controller:
             loop_end = step + 1 if step == self.start_step else next_loop_end(run, step, plan)
             self.loops.learning_rate.follow_callbacks(step)  # a callback may have set the LR since the last loop
             started = time.perf_counter()
-            losses, workers_stopping = self._run_loop(self.loops.loop_for(step), iterator, loop_end - step)
+            losses, top1s, workers_stopping = self._run_loop(self.loops.loop_for(step), iterator, loop_end - step)
             if step == self.start_step:
                 logging.info("step %d ran in %.1f s: the training loop traced and compiled (XLA %s), the input's "
                              "first batch read; training goes on", loop_end, time.perf_counter() - started,
@@ -99,7 +99,7 @@ class Controller:
                     del iterator
             self.loops.learning_rate.loop_ended()
             self.loops.after(loop_end)  # before the callbacks, so that they see the weights the workers agree on
-            _replay_batches(callbacks, step, first_batch, losses)
+            _replay_batches(callbacks, step, first_batch, losses, top1s)
             step = loop_end
             # Under local SGD workers agree on the weights only right after a world sync: checkpoints,
             # evals and preemption stops wait for one.
@@ -135,12 +135,13 @@ class Controller:
             self.eval_results = self.evaluate(final_step)
         return final_step, self.eval_results
 
-    def _run_loop(self, train_loop, iterator, num_steps: int) -> tuple[list[float], float]:
-        """`num_steps` global steps on device; ([mean loss per step], replicas stopping) on the host."""
+    def _run_loop(self, train_loop, iterator, num_steps: int) -> tuple[list[float], list[float], float]:
+        """`num_steps` global steps on device; ([mean loss per step], [top-1 per step], replicas stopping) on the
+        host."""
         with naming_bad_data(self.run, self.run.cfg.data.train_split):
-            losses, workers_stopping = train_loop(iterator, tf.constant(float(self._stop_requested.is_set())),
-                                                  tf.constant(num_steps))
-        return losses.numpy().tolist(), float(workers_stopping.numpy())
+            losses, top1s, workers_stopping = train_loop(
+                iterator, tf.constant(float(self._stop_requested.is_set())), tf.constant(num_steps))
+        return losses.numpy().tolist(), top1s.numpy().tolist(), float(workers_stopping.numpy())
 
 
 def next_loop_end(run: engine.Run, step: int, plan: local_sgd.SyncPlan) -> int:
@@ -267,13 +268,15 @@ def _keras_val_logs(eval_results: dict) -> dict:
 
 
 def _replay_batches(callbacks: keras.callbacks.CallbackList, first_step: int, first_batch: int,
-                    losses: list[float]) -> None:
-    """Batch callbacks for each step of a finished loop; stops at the first non-finite loss, naming it."""
-    for offset, loss in enumerate(losses):
+                    losses: list[float], top1s: list[float]) -> None:
+    """Batch callbacks for each step of a finished loop (its loss and top-1); stops at the first non-finite
+    loss, naming it."""
+    for offset, (loss, top1) in enumerate(zip(losses, top1s)):
         if offset:
             callbacks.on_train_batch_begin(first_batch + offset, {"global_step": first_step + offset})
         _check_finite(loss, first_step + offset + 1)
-        callbacks.on_train_batch_end(first_batch + offset, {"loss": loss, "global_step": first_step + offset + 1})
+        callbacks.on_train_batch_end(first_batch + offset, {"loss": loss, "top1": top1,
+                                                            "global_step": first_step + offset + 1})
 
 
 def _check_finite(loss: float, step: int) -> None:

@@ -151,8 +151,16 @@ def cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
     )
 
 
+def top1_hits(labels, logits):
+    """Per example, 1.0 where the largest logit is the label's class (with MixUp/CutMix's soft targets: the
+    largest target's, as Keras' CategoricalAccuracy counts them)."""
+    classes = tf.argmax(labels, -1, output_type=tf.int32) if labels.dtype.is_floating else tf.cast(labels, tf.int32)
+    return tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.reshape(classes, [-1])), tf.float32)
+
+
 def make_loss_and_grads(cfg, cluster, model, optimizer, *, local: bool = False):
-    """`loss_and_grads(images, labels) -> (loss share, gradients)` of one replica: forward + backward only.
+    """`loss_and_grads(images, labels) -> ([loss share, top-1 share], gradients)` of one replica: forward +
+    backward only. The shares are this replica's parts of the global batch's mean loss and top-1 accuracy.
 
     With `optim.grad_accum_steps = k` the replica's batch is cut into k micro-batches whose gradients
     are summed (`accumulate`); each micro-batch's loss is normalised by the global batch, so the sum is
@@ -179,9 +187,9 @@ def make_loss_and_grads(cfg, cluster, model, optimizer, *, local: bool = False):
             if weight_decay:
                 objective += scale_regularization(optim.l2_loss(model.trainable_variables, weight_decay))
             scaled = optimizer.scale_loss(objective)
-        # This replica's share of the global mean loss: the shares sum to it over all replicas.
-        loss_share = tf.reduce_sum(per_example) / global_batch_size
-        return loss_share, tape.gradient(scaled, model.trainable_variables)
+        # This replica's shares of the global mean loss and top-1: the shares sum to them over all replicas.
+        shares = tf.stack([tf.reduce_sum(per_example), tf.reduce_sum(top1_hits(labels, logits))]) / global_batch_size
+        return shares, tape.gradient(scaled, model.trainable_variables)
 
     step_choices.resolve_jit_compile(cfg, cluster.strategy.extended.worker_devices)  # done by `join` unless a tool skipped it
     if cfg.jit_compile:
@@ -192,7 +200,7 @@ def make_loss_and_grads(cfg, cluster, model, optimizer, *, local: bool = False):
 
 
 def accumulate(loss_and_grads, micro_batches: int, variables):
-    """`loss_and_grads` over `micro_batches` equal slices of the batch, loss shares and gradients summed.
+    """`loss_and_grads` over `micro_batches` equal slices of the batch, shares and gradients summed.
 
     The slices run one after another in a `tf.while_loop`, so activations of only one micro-batch are
     alive at a time: that is the memory gradient accumulation saves. BatchNorm normalises each
@@ -205,28 +213,28 @@ def accumulate(loss_and_grads, micro_batches: int, variables):
         image_slices = tf.reshape(images, [micro_batches, -1, *images.shape[1:]])
         label_slices = tf.reshape(labels, [micro_batches, -1, *labels.shape[1:]])
         # Sums start at zero rather than at slice 0's result, so the loop body is traced once.
-        loss_sum = tf.constant(0.0)
+        share_sums = tf.zeros([2])
         grad_sums = [tf.zeros(v.shape, v.dtype) for v in variables]
         for i in tf.range(micro_batches):
-            loss_share, grads = loss_and_grads(image_slices[i], label_slices[i])
-            loss_sum += loss_share
+            shares, grads = loss_and_grads(image_slices[i], label_slices[i])
+            share_sums += shares
             grad_sums = [total + grad for total, grad in zip(grad_sums, grads)]
-        return loss_sum, grad_sums
+        return share_sums, grad_sums
 
     return accumulated
 
 
 def make_replica_step(cfg, cluster, model, optimizer):
-    """`replica_step(images, labels, stop_requested) -> [loss, stop flag]`: one replica's part of a step,
-    returning this replica's shares of the two (a loop sums them over the job after its last step)."""
+    """`replica_step(images, labels, stop_requested) -> [loss, top-1, stop flag]`: one replica's part of a
+    step, returning this replica's shares of the three (a loop sums them over the job after its last step)."""
     loss_and_grads = make_loss_and_grads(cfg, cluster, model, optimizer)
     apply_update = make_update(cfg, model, optimizer)
 
     def replica_step(images, labels, stop_requested):
-        loss_share, grads = loss_and_grads(images, labels)
+        shares, grads = loss_and_grads(images, labels)
         # The stop flag travels with the loss: if any worker got SIGTERM, every worker learns it at
         # the same loop end and they checkpoint together (saving is a collective).
-        step_sums = tf.stack([loss_share, stop_requested])
+        step_sums = tf.concat([shares, [stop_requested]], axis=0)
         # Reduced before the update, so that a float16 step's inf/NaN check sees every replica's
         # overflow in its sum: all skip together, with no collective of their own.
         apply_update(cluster.reduce_gradients(grads))
@@ -245,9 +253,9 @@ def make_update(cfg, model, optimizer):
 
 
 def run_replica_step(cluster, replica_step, images, labels, stop_requested):
-    """Runs `replica_step` on every replica; returns its [loss share, replicas stopping] summed over this
+    """Runs `replica_step` on every replica; returns its [loss, top-1, replicas stopping] shares summed over this
     worker's replicas, with no collective (`cluster.sum_over_processes` finishes them): a job's sums are
-    the mean loss over the global batch and the replicas stopping."""
+    the mean loss and top-1 over the global batch and the replicas stopping."""
     per_replica = cluster.strategy.run(replica_step, args=(images, labels, stop_requested))
     return tf.add_n(cluster.strategy.experimental_local_results(per_replica))
 
@@ -255,8 +263,9 @@ def run_replica_step(cluster, replica_step, images, labels, stop_requested):
 def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learning_rate=None):
     """A compiled function running several global steps on device, with one host sync at the end.
 
-    `train_loop(iterator, stop_requested, num_steps) -> (losses, replicas stopping)`: `losses[i]` is
-    step i's mean loss over the global batch; the stop count (replicas whose worker was asked to
+    `train_loop(iterator, stop_requested, num_steps) -> (losses, top-1s, replicas stopping)`: `losses[i]` and
+    `top-1s[i]` are step i's mean loss and top-1 accuracy over the global batch (its training batch, as the
+    model saw it while training: augmented, BatchNorm in training mode); the stop count (replicas whose worker was asked to
     stop) is the last step's. Each worker keeps its own steps' sums during the loop and the job sums
     them in one all-reduce after its last step: the host reads neither sooner, and a step's only
     collective stays its gradients' all-reduce (docs/benchmarking.md). Before each step the
@@ -287,27 +296,29 @@ def make_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, learni
 
 
 def compiled_loop(global_step, optimizer, step: tf.Variable, learning_rate, job_sums, after_last_step=None):
-    """`train_loop(iterator, stop_requested, num_steps)` running `global_step` (-> this worker's [loss,
-    replicas stopping] sums) `num_steps` times in one tf.function, the LR set before and `step` advanced
-    after each; then `after_last_step()`, if given, and `job_sums` of every step's sums in one call."""
+    """`train_loop(iterator, stop_requested, num_steps) -> (losses, top-1s, replicas stopping)` running
+    `global_step` (-> this worker's [loss, top-1, replicas stopping] sums) `num_steps` times in one tf.function,
+    the LR set before and `step` advanced after each; then `after_last_step()`, if given, and `job_sums` of
+    every step's sums in one call."""
 
     @tf.function
     def train_loop(iterator, stop_requested, num_steps):
         # A step's only collective is its gradients' all-reduce: each reads the weights the previous
         # one wrote, so they run in order (Horovod refuses a collective whose name, the same in every
         # iteration, is still in flight).
-        losses = tf.TensorArray(tf.float32, size=num_steps)
+        per_step = tf.TensorArray(tf.float32, size=num_steps)  # [loss, top-1] of each step
         stopping = tf.constant(0.0)
         for i in tf.range(num_steps):
             if learning_rate is not None:
                 optimizer.learning_rate.assign(learning_rate(step))
-            loss, stopping = tf.unstack(global_step(iterator, stop_requested))
+            sums = global_step(iterator, stop_requested)
             step.assign_add(1)
-            losses = losses.write(i, loss)
+            per_step = per_step.write(i, sums[:2])
+            stopping = sums[2]
         if after_last_step is not None:
             after_last_step()
-        sums = job_sums(tf.concat([losses.stack(), [stopping]], axis=0))
-        return sums[:-1], sums[-1]
+        sums = job_sums(tf.concat([tf.reshape(tf.transpose(per_step.stack()), [-1]), [stopping]], axis=0))
+        return sums[:num_steps], sums[num_steps:-1], sums[-1]
 
     return train_loop
 

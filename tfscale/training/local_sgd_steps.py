@@ -30,7 +30,7 @@ def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, 
     apply_update = engine.make_update(cfg, model, optimizer) if cfg.optim.compiled_update else None
 
     def replica_grads(images, labels, stop_requested):
-        loss_share, grads = loss_and_grads(images, labels)
+        shares, grads = loss_and_grads(images, labels)
         if household_gradients:
             # A household trains synchronously: gradients and BatchNorm statistics averaged inside
             # it every step (one all-reduce for both), as the whole job does without local SGD.
@@ -41,8 +41,8 @@ def make_local_train_loop(cfg, cluster, model, optimizer, *, step: tf.Variable, 
                 variable.assign(value)
         if apply_update is not None:
             apply_update(grads)
-            return tf.stack([loss_share, stop_requested]), []
-        return tf.stack([loss_share, stop_requested]), grads
+            return tf.concat([shares, [stop_requested]], axis=0), []
+        return tf.concat([shares, [stop_requested]], axis=0), grads
 
     def global_step(iterator, stop_requested):
         loss_and_stop, grads = strategy.run(replica_grads, args=(*next(iterator), stop_requested))
