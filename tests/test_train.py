@@ -24,7 +24,8 @@ def smoke_run(tmp_path_factory):
 
 def test_workdir_has_every_public_file(smoke_run):
     workdir, summary = smoke_run
-    assert {"config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard"} <= set(os.listdir(workdir))
+    assert {"config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "curves.png"} <= set(
+        os.listdir(workdir))
     assert os.listdir(os.path.join(workdir, layout.TENSORBOARD))
     with open(os.path.join(workdir, layout.SUMMARY)) as f:
         on_disk = json.load(f)
@@ -72,6 +73,18 @@ def test_tensorboard_has_train_and_validation_runs_with_shared_tags(smoke_run):
     assert runs["train"]["top1"] == [(r["step"], pytest.approx(r["top1"])) for r in rows if "loss" in r]
     assert runs["validation"]["top1"] == [(r["step"], pytest.approx(r["eval_top1"])) for r in rows if "eval_top1" in r]
     assert runs["validation"]["loss"] == [(r["step"], pytest.approx(r["eval_loss"])) for r in rows if "eval_loss" in r]
+
+
+def test_curves_png_draws_the_runs_own_metrics(smoke_run):
+    from PIL import Image
+
+    from tfscale.workdir import curves
+
+    with Image.open(layout.curves(smoke_run[0])) as image:  # drawn by the run, after its last eval
+        assert image.format == "PNG" and image.size == (990, 630)
+    # Every point of metrics.jsonl in its panel: 6 logged steps, 2 evals (train and validation beside each other).
+    assert curves.draw(smoke_run[0]) == {"loss": 6, "eval_loss": 2, "top1": 6, "eval_top1": 2, "lr": 6,
+                                         "images_per_sec": 6}
 
 
 def test_learnable_task_learns(smoke_run):

@@ -25,7 +25,7 @@ from tfscale import io
 from tfscale.config import derived
 from tfscale.logs import format_duration
 from tfscale.model import optim, schedules
-from tfscale.workdir import layout
+from tfscale.workdir import curves, layout
 
 
 TENSORBOARD_RUNS = ("train", "validation")  # under WORKDIR/tensorboard
@@ -57,6 +57,7 @@ class MetricsLogger(keras.callbacks.Callback):
         self.steps_per_epoch = steps_per_epoch
         self.train_steps = train_steps
         self.log_every_steps = log_every_steps
+        self.workdir = workdir
         self.metrics_path = layout.metrics(workdir)
         # TensorBoard runs as Keras' TensorBoard callback names them: train/ and validation/, with the same tags
         # (loss, top1; top5 for the eval), so the two curves of a tag overlay in one chart.
@@ -79,9 +80,18 @@ class MetricsLogger(keras.callbacks.Callback):
         self._restart_clock(int(logs["global_step"]))
 
     def on_test_end(self, logs=None):
-        # `logs` is the eval row (step, epoch, eval_*): written as is, then training time restarts.
+        # `logs` is the eval row (step, epoch, eval_*): written as is, curves.png redrawn, then training time
+        # restarts.
         self._write_row(logs)
+        if self.is_chief:
+            self._draw_curves()
         self._restart_clock(int(logs["step"]))
+
+    def _draw_curves(self) -> None:
+        try:
+            curves.draw(self.workdir)
+        except (OSError, ValueError, RuntimeError) as err:  # a picture is not worth a run: say it, go on
+            logging.warning("could not draw %s: %s", layout.curves(self.workdir), err)
 
     def on_train_batch_end(self, batch, logs=None):
         step = int(logs["global_step"])

@@ -5,6 +5,7 @@
     WORKDIR/lock.json              the live job that holds the workdir (guards.py)
     WORKDIR/metrics.jsonl          a row per logged step and per eval (training/callbacks.MetricsLogger)
     WORKDIR/tensorboard/           the same as TensorBoard scalars, and profiler traces
+    WORKDIR/curves.png             loss, top-1, LR and images/sec against step, redrawn after each eval (curves.py)
     WORKDIR/checkpoints/           tf.train checkpoints, `ckpt-<step>` and their state file (training/checkpoints.py)
     WORKDIR/summary.json           the finished run's figures (training/train.py; read by export and studies)
     WORKDIR/benchmark.json         a benchmark's figures (tfscale.perf.benchmark; read by sweeps and tfscale-plan)
@@ -24,6 +25,7 @@ CHECKPOINTS = "checkpoints"
 SUMMARY = "summary.json"
 BENCHMARK = "benchmark.json"
 EXPORT = "export"
+CURVES = "curves.png"
 
 
 def config(workdir: str) -> str:
@@ -56,6 +58,10 @@ def summary(workdir: str) -> str:
 
 def export(workdir: str) -> str:
     return os.path.join(workdir, EXPORT)
+
+
+def curves(workdir: str) -> str:
+    return os.path.join(workdir, CURVES)
 
 
 def benchmark(workdir: str) -> str:
