@@ -134,6 +134,7 @@ def test_bench_tta_runs_both_from_process_start_and_prints_the_paired_ratio(tmp_
     result = run_target("bench-tta", f"--workdir={tmp_path}", "--rounds=1", "--epochs=2", "--train_examples=1600",
                         "--tfscale_args=--config.schedule.warmup_epochs=0.5 --config.schedule.decay_epochs=(1,)")
     (row,) = json.loads((tmp_path / "tta.json").read_text())["rounds"]
+    assert (tmp_path / "tta.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the curves, drawn
     assert [epoch for epoch, _ in enumerate(row["curves"]["keras"], 1)] == [1, 2]
     assert len(row["curves"]["tfscale"]) == 2  # an eval after each epoch, seconds since its process started
     assert row["target_top1"] == min(row["keras_final_top1"], row["tfscale_final_top1"]) > 0.1  # above chance

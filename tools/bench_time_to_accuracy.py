@@ -14,7 +14,7 @@ The target of a round is the accuracy both of its runs reached: the lower of the
 (or `--target_top1`). For each run the benchmark reads the seconds from process start to its first
 evaluation at or above the target, and the final top-1; it prints each round, the medians and the
 paired ratio tfscale / keras of the time to the target (below 1: tfscale is there sooner). `--tfscale_root` runs another checkout's tfscale (a before/after
-comparison on the same machine). The figures go to WORKDIR/tta.json.
+comparison on the same machine). The figures go to WORKDIR/tta.json, the curves to WORKDIR/tta.png.
 """
 
 import json
@@ -123,6 +123,28 @@ def summarize(rounds: list[dict]) -> dict:
     return summary
 
 
+def plot(rounds: list[dict], path: str) -> None:
+    """Test top-1 against seconds from process start, tfscale beside Keras, one panel per round, the round's
+    target top-1 as a line: WORKDIR/tta.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(rounds), figsize=(5.5 * len(rounds), 4), sharey=True, squeeze=False)
+    for axis, row in zip(axes[0], rounds):
+        for name, style in (("tfscale", "o-"), ("keras", "s--")):
+            seconds, top1 = zip(*row["curves"][name])
+            axis.plot(seconds, top1, style, markersize=4, label=f"{name} ({row[f'{name}_to_target_s']:.0f} s to target)")
+        axis.axhline(row["target_top1"], color="grey", linewidth=0.8, label=f"target {row['target_top1']:.4f}")
+        axis.set(title=f"round {row['round'] + 1}", xlabel="seconds since the process started", ylabel="test top-1")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
 def main(argv):
     del argv
     workdir = os.path.abspath(_WORKDIR.value)
@@ -130,7 +152,9 @@ def main(argv):
     if _REREAD.value:  # the figures again from the stored curves (e.g. with another --target_top1)
         with open(report_path) as f:
             stored = json.load(f)
-        summarize([round_row(r["round"], r["curves"]) for r in stored["rounds"]])
+        rounds = [round_row(r["round"], r["curves"]) for r in stored["rounds"]]
+        summarize(rounds)
+        plot(rounds, os.path.join(workdir, "tta.png"))
         return
     os.makedirs(workdir, exist_ok=True)
     data_dir = _converted(workdir)
@@ -147,6 +171,7 @@ def main(argv):
     with open(report_path, "w") as f:
         json.dump({"tfscale_args": _TFSCALE_ARGS.value, "tfscale_root": _TFSCALE_ROOT.value, "rounds": rounds,
                    "median": summary}, f, indent=1)
+    plot(rounds, os.path.join(workdir, "tta.png"))
 
 
 if __name__ == "__main__":

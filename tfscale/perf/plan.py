@@ -23,7 +23,7 @@ from tfscale import cli, errors, io
 from tfscale.config import validation
 from tfscale.config.names import PACK_AUTO
 from tfscale.perf import scaling
-from tfscale.planning import plan_band
+from tfscale.planning import plan_band, plan_published
 from tfscale.planning.plan_model import System, Workload, best_bucket_bytes, default_gpu_counts, predict
 from tfscale.planning.plan_workload import auto_pack_bytes, resolve_system, workload_from_config
 
@@ -66,15 +66,30 @@ def band(row: dict) -> str:
     return "-" if row["gpus"] == 1 else f"{low:.2f}-{high:.2f}"
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def published_points(workload: Workload, system: System) -> tuple[list[tuple[int, float]], str]:
+    """([(GPUs, efficiency)], source) measured and published for this model, per-GPU batch and system; ([], "")
+    where none was (tfscale.planning.plan_published.SERIES)."""
+    for series in plan_published.SERIES:
+        if (series.system, series.model, series.per_gpu_batch) == (system.name, workload.model, workload.per_gpu_batch):
+            return [point for point in series.published() if point[0] > 1], series.source
+    return [], ""
+
+
+def plot(rows: list[dict], path: str, title: str, published: list[tuple[int, float]] = ()) -> None:
+    """Throughput and efficiency against GPUs: the prediction, its 80 % band, and what was measured and
+    published for the same model, batch and system where there is such a run."""
     gpus = [r["gpus"] for r in rows]
     with scaling.two_panel_png(path, title, figsize=(10, 4)) as (speed, eff):
         speed.plot(gpus, [r["images_per_sec"] for r in rows], "o-", label="predicted")
         one_gpu = rows[0]["images_per_sec"] / rows[0]["speedup"]
         speed.plot(gpus, [g * one_gpu for g in gpus], "k:", label="linear")
         speed.set(xlabel="GPUs", ylabel="images/sec", xscale="log", yscale="log", title="throughput")
-        eff.plot(gpus, [r["efficiency"] for r in rows], "o-", label="vs 1 GPU")
-        eff.plot(gpus, [r["efficiency_vs_node"] for r in rows], "s--", label="vs 1 node")
+        low, high = zip(*(r.get("efficiency_band", (1.0, 1.0)) for r in rows))
+        eff.fill_between(gpus, low, high, alpha=0.2, label="80% band of the prediction")
+        eff.plot(gpus, [r["efficiency"] for r in rows], "o-", label="vs 1 GPU, predicted")
+        eff.plot(gpus, [r["efficiency_vs_node"] for r in rows], "s--", label="vs 1 node, predicted")
+        if published:
+            eff.plot(*zip(*published), "kx", markersize=8, label="vs 1 GPU, published run")
         eff.set(xlabel="GPUs", ylabel="efficiency", xscale="log", ylim=(0, 1.1), title="scaling efficiency")
 
 
@@ -84,7 +99,7 @@ def write_outputs(output_dir: str, workload: Workload, system: System, rows: lis
     summary["gradient_bytes"] = workload.gradient_bytes
     io.write_json(os.path.join(output_dir, "plan.json"),
                   {"workload": summary, "system": dataclasses.asdict(system), "rows": rows})
-    plot(rows, os.path.join(output_dir, "plan.png"), title)
+    plot(rows, os.path.join(output_dir, "plan.png"), title, published_points(workload, system)[0])
 
 
 def describe(workload: Workload, system: System) -> str:
