@@ -130,7 +130,7 @@ class _Trainer:
         self._step, self._read = train_step, read_weights
 
     def step(self, step: int, poisoned: bool = False) -> dict:
-        loss, _ = self._step(*self._batch(step, poisoned)).numpy()
+        loss = self._step(*self._batch(step, poisoned)).numpy()[0]  # [loss, top-1, stopping]
         return {"loss": float(loss), **self.state()}
 
     def _batch(self, step: int, poisoned: bool):

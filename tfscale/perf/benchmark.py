@@ -4,6 +4,8 @@
         --config.benchmark.mode=synthetic [--config.benchmark.num_batches=100 ...]
     python -m tfscale.launch --num_workers=2 -- -m tfscale.benchmark --config=... --workdir=... \
         --config.distribute.backend=mwms          (or --backend=horovod ... =horovod)
+    mpirun -np 4 tfscale-bench --model resnet50 --batch_size 32 --variable_update horovod --num_batches=200
+                                  (tf_cnn_benchmarks' own command line: tfscale.perf.tf_cnn_flags)
 
 Modes (`benchmark.mode`):
   synthetic  the full training step (forward, backward, gradient all-reduce, update) on one random
@@ -56,7 +58,7 @@ from absl import logging
 from tfscale import io
 from tfscale.data.input import faults, loaders
 from tfscale.model import stats
-from tfscale.perf import allreduce_bench
+from tfscale.perf import allreduce_bench, tf_cnn_flags
 from tfscale.training import callbacks as tfs_callbacks
 from tfscale.training import engine
 
@@ -99,7 +101,7 @@ def _device_batch(cluster, input_fn):
 
 def make_batch_step(cfg, cluster, model, optimizer):
     """The training step the loop runs (engine), on a given (distributed) batch instead of an iterator;
-    returns [this worker's mean loss, 0].
+    returns [this worker's mean loss, its mean top-1, 0].
 
     The loss is this worker's own, as tf_cnn_benchmarks prints its own: the training loop sums the
     losses over the job once per loop, so summing them every step here would time an all-reduce that
@@ -107,8 +109,8 @@ def make_batch_step(cfg, cluster, model, optimizer):
     """
     replica_step = engine.make_replica_step(cfg, cluster, model, optimizer)
     no_stop = tf.constant(0.0)
-    # A worker's sums are its share of the global batch's mean loss: 1 / workers of it on average.
-    to_worker_mean = tf.constant([float(cluster.size), 1.0])
+    # A worker's sums are its shares of the global batch's mean loss and top-1: 1 / workers of each on average.
+    to_worker_mean = tf.constant([float(cluster.size), float(cluster.size), 1.0])
 
     @tf.function
     def batch_step(batch):
@@ -386,7 +388,16 @@ def main(cfg: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def run():
-    """Console-script entry point (`tfscale-bench`)."""
+    """Console-script entry point (`tfscale-bench`); a tf_cnn_benchmarks command line is translated first
+    (tfscale.perf.tf_cnn_flags)."""
+    if tf_cnn_flags.is_tf_cnn_command(sys.argv[1:]):
+        try:
+            translated = tf_cnn_flags.translate(sys.argv[1:])
+        except tf_cnn_flags.Refused as err:
+            sys.exit(f"tfscale-bench: {err}")
+        print(f"tfscale-bench: tf_cnn_benchmarks' command line runs as: tfscale-bench {' '.join(translated)}",
+              file=sys.stderr, flush=True)
+        sys.argv = [sys.argv[0], *translated]
     cli.run_cli(main, workdir_help="Directory for benchmark.json (and a profiler trace).")
 
 
