@@ -42,8 +42,12 @@ class Controller:
     """
 
     def __init__(self, run: engine.Run, *, model, loops: tfs_loops.Loops, ckpts: checkpoints.Checkpoints,
-                 callbacks: keras.callbacks.CallbackList, start_step: int, stop_requested: threading.Event):
+                 callbacks: keras.callbacks.CallbackList, start_step: int, stop_requested: threading.Event,
+                 evaluating: bool = True):
+        """`evaluating` False (`--mode=train`): no eval at all; a side-car evaluator (`--mode=continuous_eval`)
+        evaluates the checkpoints instead."""
         self.run, self.model, self.loops, self.ckpts, self.callbacks = run, model, loops, ckpts, callbacks
+        self.evaluating = evaluating
         self.plan = loops.plan
         self.start_step = start_step
         self.evaluate = make_evaluator(run, model, callbacks)
@@ -56,7 +60,7 @@ class Controller:
         """Runs the eval a run stopped before (SIGTERM or a kill between an eval step's checkpoint and its
         eval) when the chief's metrics lack it: eval is a collective, so the chief's view decides for all."""
         step, steps = self.start_step, self.run.steps
-        due = 0 < step < steps.train_steps and self.plan.due(step, steps.eval_every_steps)
+        due = self.evaluating and 0 < step < steps.train_steps and self.plan.due(step, steps.eval_every_steps)
         if not due:
             return
         missing = not any("eval_top1" in row and row["step"] == step for row in logged)
@@ -110,7 +114,7 @@ class Controller:
             if plan.due(step, steps.checkpoint_every_steps):
                 with self.end_of_run.part("final_checkpoint" if step == steps.train_steps else None):
                     self.ckpts.save(step)
-            evaluated = plan.due(step, steps.eval_every_steps) or step == steps.train_steps
+            evaluated = self.evaluating and (plan.due(step, steps.eval_every_steps) or step == steps.train_steps)
             if evaluated:
                 with self.end_of_run.part("final_eval" if step == steps.train_steps else None):
                     self.eval_results = self.evaluate(step)
@@ -131,7 +135,7 @@ class Controller:
             self.ckpts.save(final_step, wait=True)
         self.callbacks.on_train_end({"global_step": final_step})
         self.ckpts.close()
-        if not self.eval_results:
+        if not self.eval_results and self.evaluating:
             self.eval_results = self.evaluate(final_step)
         return final_step, self.eval_results
 

@@ -30,20 +30,22 @@ import time
 import keras
 import ml_collections
 import tensorflow as tf
-from absl import logging
+from absl import flags, logging
 
 from tfscale import io
 from tfscale.cluster import heartbeat
 from tfscale.data.input import assignment, faults, pipeline
 from tfscale.model import schedules
 from tfscale.training import callbacks as tfs_callbacks
-from tfscale.training import checkpoints, controller, engine, init_from, local_sgd, local_sgd_steps
+from tfscale.training import checkpoints, controller, engine, evaluator, init_from, local_sgd, local_sgd_steps
 from tfscale.training import loops as tfs_loops
 from tfscale.workdir import guards as workdirs
 
 
-def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> dict:
-    """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns the summary.
+def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=(),
+                       evaluating: bool = True) -> dict:
+    """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns the summary; `evaluating`
+    False (`--mode=train`) leaves every eval to a side-car evaluator.
 
     `extra_callbacks`: more Keras callbacks, driven after tfscale's own (LR, logging, profiling).
     Setting `model.stop_training` from one ends the run at the end of the current loop of steps
@@ -56,7 +58,7 @@ def train_and_evaluate(cfg: ml_collections.ConfigDict, workdir: str, extra_callb
         locks = _claim_workdir(cluster, workdir, cfg)  # before staging: a refused run copies nothing
         run = engine.with_data(cfg, cluster)
         with controller.stop_on_sigterm() as stop_requested, engine.precision_policy(cfg.precision):
-            return _train(run, workdir, extra_callbacks, stop_requested)
+            return _train(run, workdir, extra_callbacks, stop_requested, evaluating)
     finally:
         for lock in locks:  # also when the data check after the claim fails
             lock.release()
@@ -80,7 +82,8 @@ def _claim_workdir(cluster, workdir: str, cfg: ml_collections.ConfigDict) -> lis
     return locks
 
 
-def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threading.Event) -> dict:
+def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threading.Event,
+           evaluating: bool = True) -> dict:
     """Builds the model, restores or initialises it, trains to the end, evaluates, writes the summary."""
     cfg, steps = run.cfg, run.steps
     # The chief reports it (the log line, summary.json); the others need not spend the seconds.
@@ -114,7 +117,7 @@ def _train(run: engine.Run, workdir: str, extra_callbacks, stop_requested: threa
     callback_list = _callback_list(run, workdir, model, logger, extra_callbacks)
     loops = tfs_loops.Loops(run, plan, model, optimizer, ckpts.step, learning_rate, sync_counts)
     control = controller.Controller(run, model=model, loops=loops, ckpts=ckpts, callbacks=callback_list,
-                                    start_step=start_step, stop_requested=stop_requested)
+                                    start_step=start_step, stop_requested=stop_requested, evaluating=evaluating)
     start_time = time.time()
     control.eval_if_missing(logged)
     control.train(skipped_images)
@@ -155,9 +158,7 @@ def _summary(run: engine.Run, final_step: int, wall_time_s: float, logger, eval_
         "steps": final_step,
         "wall_time_s": round(wall_time_s, 2),
         "images_per_sec": logger.steady_images_per_sec(),
-        "eval_top1": eval_results["eval_top1"],
-        "eval_top5": eval_results["eval_top5"],
-        "eval_loss": eval_results["eval_loss"],
+        **{key: eval_results[key] for key in ("eval_top1", "eval_top5", "eval_loss") if key in eval_results},
         "num_workers": run.cluster.size,
         "num_replicas": run.cluster.num_replicas,
         "global_batch_size": run.cfg.data.global_batch_size,
@@ -167,12 +168,12 @@ def _summary(run: engine.Run, final_step: int, wall_time_s: float, logger, eval_
     return summary
 
 
-def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> None:
+def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=(), evaluating: bool = True) -> None:
     """The CLI's work: train, and turn a preemption or a fault the user must act on into its exit code
     (config errors: `run_cli` prints them as one FATAL line; data faults too, here)."""
     try:
         with faults.fatal_on_data_faults():
-            train_and_evaluate(cfg, workdir, extra_callbacks)
+            train_and_evaluate(cfg, workdir, extra_callbacks, evaluating)
     except errors.Preempted as preempted:
         logging.warning("%s; exit code %d", preempted, errors.EXIT_PREEMPTED)
         sys.exit(errors.EXIT_PREEMPTED)
@@ -187,9 +188,50 @@ def main(cfg: ml_collections.ConfigDict, workdir: str, extra_callbacks=()) -> No
         sys.exit(errors.EXIT_CLUSTER_UNAVAILABLE)
 
 
+MODES = ("train_and_eval", "train", *evaluator.MODES)  # Model Garden's --mode
+MODE_HELP = ("train_and_eval: train, evaluating every train.eval_every_epochs; train: no eval (leave it to a "
+             "side-car); eval: the workdir's newest (or --checkpoint's) checkpoint once, in this process, with the "
+             "run's own config (no --config needed); continuous_eval: each new checkpoint as it appears, until the "
+             "run's last (tfscale.training.evaluator)")
+
+
+def requested_mode(argv: list[str]) -> str:
+    """--mode's value in `argv` ("--mode=eval" or "--mode eval"); the default when absent."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--mode="):
+            return arg.partition("=")[2]
+        if arg == "--mode" and i + 1 < len(argv):
+            return argv[i + 1]
+    return MODES[0]
+
+
+def _define_eval_flags() -> None:
+    flags.DEFINE_enum("mode", "eval", MODES, MODE_HELP)
+    flags.DEFINE_string("workdir", None, "The training run's workdir (config.json, checkpoints/).")
+    flags.DEFINE_string("checkpoint", "", "eval: this checkpoint prefix (W/checkpoints/ckpt-N); default: the newest.")
+    flags.DEFINE_string("split", "", "The split to evaluate (default: the run's data.eval_split).")
+    flags.DEFINE_float("timeout_s", 3600.0, "continuous_eval: stop when no new checkpoint appeared for this long.")
+    flags.mark_flag_as_required("workdir")
+
+
+def _evaluate(f: flags.FlagValues) -> None:
+    logs.configure()
+    with faults.fatal_on_data_faults():
+        evaluator.run_mode(f.mode, f.workdir, f.checkpoint, f.split, f.timeout_s)
+
+
 def run():
-    """Console-script entry point (`tfscale-train`)."""
-    cli.run_cli(main, workdir_help="Directory for checkpoints, metrics and summaries.")
+    """Console-script entry point (`tfscale-train`): training (`--mode=train_and_eval`, `train`), or the
+    evaluator of a run's checkpoints (`--mode=eval`, `continuous_eval`: tfscale.training.evaluator)."""
+    mode = requested_mode(sys.argv[1:])
+    if mode in evaluator.MODES:
+        cli.run_tool(_evaluate, define_flags=_define_eval_flags,
+                     errors=(*cli.INPUT_ERRORS, errors.CheckpointError, errors.ConfigError))
+        return
+    mode_flag = flags.DEFINE_enum("mode", MODES[0], MODES, MODE_HELP)
+    cli.make_key_flags(["mode"])
+    cli.run_cli(lambda cfg, workdir: main(cfg, workdir, evaluating=mode_flag.value != "train"),
+                workdir_help="Directory for checkpoints, metrics and summaries.")
 
 
 if __name__ == "__main__":
