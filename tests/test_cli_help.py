@@ -16,7 +16,7 @@ with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
 
 # Flags each tool's --help must list (a sample: the ones a user looks for first).
 OWN_FLAGS = {
-    "tfscale-train": ["--config", "--workdir"],
+    "tfscale-train": ["--config", "--workdir", "--mode"],
     "tfscale-bench": ["--config", "--workdir"],
     "tfscale-convert": ["--input_dir", "--output_dir", "--split", "--num_shards"],
     "tfscale-launch": ["--num_workers", "--backend"],

@@ -35,7 +35,9 @@ def test_eval_in_a_fresh_process_gives_the_runs_own_final_eval(finished_run):
                     f"--checkpoint={finished_run / 'checkpoints' / 'ckpt-40'}")
     assert again.returncode == 0, again.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(finished_run / "evaluations.jsonl")] == [60, 40]
-    assert list((finished_run / "tensorboard" / "validation").glob("*.evaluator"))
+    validation = finished_run / "tensorboard" / "validation"
+    assert list(validation.glob("*.evaluator")) and list(validation.glob("*.v2"))  # the evaluator's, training's
+    assert (finished_run / layout.CURVES).read_bytes()[:4] == b"\x89PNG"  # the training run drew its curves
 
 
 def test_eval_of_a_workdir_without_a_run_names_it(tmp_path):
