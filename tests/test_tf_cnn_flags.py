@@ -47,6 +47,10 @@ def test_the_other_common_flags():
                                       env)
         assert f"--config.data.global_batch_size={16 * workers}" in args and "--config.distribute.backend=mwms" in args
     assert not tf_cnn_flags.is_tf_cnn_command(["--config=r50_1gpu", "--workdir=w", "--config.benchmark.num_batches=5"])
+    # tfscale's own overrides after the line (tfscale.launch adds the backend's) pass through, last, so they win.
+    line = ["--model=resnet50", "--batch_size=8", "--config.distribute.backend=mwms", "--config.data.image_size=64"]
+    assert tf_cnn_flags.is_tf_cnn_command(line)
+    assert tf_cnn_flags.translate(line, {})[-2:] == ["--config.distribute.backend=mwms", "--config.data.image_size=64"]
 
 
 @pytest.mark.parametrize("argv, said", [

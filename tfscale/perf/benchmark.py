@@ -390,14 +390,7 @@ def main(cfg: ml_collections.ConfigDict, workdir: str) -> None:
 def run():
     """Console-script entry point (`tfscale-bench`); a tf_cnn_benchmarks command line is translated first
     (tfscale.perf.tf_cnn_flags)."""
-    if tf_cnn_flags.is_tf_cnn_command(sys.argv[1:]):
-        try:
-            translated = tf_cnn_flags.translate(sys.argv[1:])
-        except tf_cnn_flags.Refused as err:
-            sys.exit(f"tfscale-bench: {err}")
-        print(f"tfscale-bench: tf_cnn_benchmarks' command line runs as: tfscale-bench {' '.join(translated)}",
-              file=sys.stderr, flush=True)
-        sys.argv = [sys.argv[0], *translated]
+    sys.argv = tf_cnn_flags.tfscale_argv(sys.argv)
     cli.run_cli(main, workdir_help="Directory for benchmark.json (and a profiler trace).")
 
 

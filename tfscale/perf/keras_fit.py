@@ -84,7 +84,7 @@ def _loop_rate(train_loop, cluster, input_fn, num_batches: int, global_batch_siz
     no_stop, one_step = tf.constant(0.0), tf.constant(1)
     step_ends = []
     for _ in range(warmup + num_batches):
-        losses, _ = train_loop(iterator, no_stop, one_step)
+        losses = train_loop(iterator, no_stop, one_step)[0]
         losses.numpy()  # read the loss every step, as fit's timer does
         step_ends.append(time.perf_counter())
     return median_step_rate(step_ends, num_batches, global_batch_size)

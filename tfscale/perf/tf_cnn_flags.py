@@ -5,7 +5,8 @@
 
 A command line with tf_cnn_benchmarks' flags and no --config is translated into tfscale's own before absl
 parses it (one line on stderr says into what), then runs as any tfscale-bench run: the same step, the same
-tf_cnn-style output, benchmark.json in --train_dir (default runs/tf_cnn_benchmarks). What the flags mean
+tf_cnn-style output, benchmark.json in --train_dir (default runs/tf_cnn_benchmarks); tfscale's own
+`--config.x.y=v` overrides may follow the line and win (tfscale.launch adds the backend's). What the flags mean
 there (tensorflow/benchmarks scripts/tf_cnn_benchmarks/benchmark_cnn.py) and here:
 
   --model              resnet50 (tfscale's is v1.5, as NVIDIA's and MLPerf's), resnet101, resnet152
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Mapping
 
 MODELS = {"resnet50": "resnet50", "resnet50_v1.5": "resnet50", "resnet101": "resnet101", "resnet152": "resnet152"}
@@ -48,10 +50,16 @@ class Refused(ValueError):
 
 
 def is_tf_cnn_command(argv: list[str]) -> bool:
-    """Whether `argv` (without the program) is a tf_cnn_benchmarks command line: its flags, no --config."""
+    """Whether `argv` (without the program) is a tf_cnn_benchmarks command line: its flags, no --config recipe
+    (`--config.x.y=v` overrides may follow: tfscale.launch adds the backend's)."""
     names = {_name(arg)[0] for arg in argv if arg.startswith("--")}
-    return not any(name == "config" or name.startswith("config.") for name in names) and bool(
-        names & {"model", "batch_size", "variable_update", "num_batches"})
+    return "config" not in names and bool(names & {"model", "batch_size", "variable_update", "num_batches"})
+
+
+def _overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(tf_cnn_benchmarks' arguments, tfscale's `--config.x.y=v` overrides) of `argv`."""
+    overrides = [arg for arg in argv if arg.startswith("--config.")]
+    return [arg for arg in argv if not arg.startswith("--config.")], overrides
 
 
 def _name(arg: str) -> tuple[str, str | None]:
@@ -100,9 +108,24 @@ def _choice(flags: dict, name: str, choices: Mapping, default: str):
     return choices[value]
 
 
+def tfscale_argv(argv: list[str]) -> list[str]:
+    """`argv` (a whole command line, the program first) as tfscale-bench parses it: a tf_cnn_benchmarks line
+    translated, the translation said on stderr; a refused one ends the process naming why; others unchanged."""
+    if not is_tf_cnn_command(argv[1:]):
+        return argv
+    try:
+        translated = translate(argv[1:])
+    except Refused as err:
+        sys.exit(f"tfscale-bench: {err}")
+    print(f"tfscale-bench: tf_cnn_benchmarks' command line runs as: tfscale-bench {' '.join(translated)}",
+          file=sys.stderr, flush=True)
+    return [argv[0], *translated]
+
+
 def translate(argv: list[str], env: Mapping[str, str] | None = None) -> list[str]:
     """tfscale-bench's arguments for a tf_cnn_benchmarks command line `argv` (without the program)."""
     env = os.environ if env is None else env
+    argv, overrides = _overrides(argv)
     flags = parse(argv)
     model = _choice(flags, "model", MODELS, "resnet50")  # tf_cnn's default model is trivial: refused unless named
     backend = _choice(flags, "variable_update", BACKENDS, "replicated")
@@ -135,4 +158,4 @@ def translate(argv: list[str], env: Mapping[str, str] | None = None) -> list[str
         args.append("--config.precision=mixed_float16")
     if flags.get("xla") or flags.get("xla_compile"):
         args.append("--config.jit_compile=True")
-    return args
+    return args + overrides  # last: they win
