@@ -50,8 +50,8 @@ def test_eval_of_a_workdir_without_a_run_names_it(tmp_path):
 def test_a_side_car_evaluator_follows_a_two_worker_run_and_stops_after_its_last_checkpoint(tmp_path):
     workdir = tmp_path / "run"
     # Started first, it waits for the run; the run itself evaluates nothing (--mode=train).
-    side_car = subprocess.Popen([sys.executable, "-m", "tfscale.train", "--mode=continuous_eval", f"--workdir={workdir}",
-                                 "--timeout_s=240"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    command = [sys.executable, "-m", "tfscale.train", "--mode=continuous_eval", f"--workdir={workdir}", "--timeout_s=240"]
+    side_car = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     training = run_cli("tfscale.launch", "--num_workers=2", "--", "-m", "tfscale.train", "--mode=train",
                        "--config=configs/smoke.py", f"--workdir={workdir}", "--config.checkpoint.every_epochs=1")

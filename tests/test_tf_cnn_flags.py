@@ -30,8 +30,8 @@ def test_seed000s_command_line_becomes_tfscales_with_the_per_gpu_batch_times_the
 
 
 def test_the_other_common_flags():
-    args = tf_cnn_flags.translate(["--model=resnet101", "--batch_size=64", "--num_gpus=2", "--variable_update=replicated",
-                                   "--use_fp16", "--xla_compile=True", "--data_format=NCHW", "--optimizer=sgd",
+    args = tf_cnn_flags.translate(["--model=resnet101", "--batch_size=64", "--num_gpus=2",
+                                   "--variable_update=replicated", "--use_fp16", "--xla_compile=True", "--data_format=NCHW", "--optimizer=sgd",
                                    "--num_warmup_batches=5", "--display_every=20", "--train_dir=/scratch/b"], {})
     assert args == ["--config=r50_1gpu", "--workdir=/scratch/b", "--config.model.name=resnet101",
                     "--config.distribute.backend=mirrored", "--config.data.global_batch_size=128",
@@ -43,8 +43,8 @@ def test_the_other_common_flags():
     # World size from the launcher that started the process: tfscale.launch's TF_CONFIG, Slurm's step.
     tf_config = json.dumps({"cluster": {"worker": ["a:1", "b:2", "c:3"]}, "task": {"type": "worker", "index": 0}})
     for env, workers in (({"TF_CONFIG": tf_config}, 3), ({"SLURM_STEP_NUM_TASKS": "8"}, 8), ({}, 1)):
-        args = tf_cnn_flags.translate(["--model=resnet50", "--batch_size=16", "--variable_update=collective_all_reduce"],
-                                      env)
+        line = ["--model=resnet50", "--batch_size=16", "--variable_update=collective_all_reduce"]
+        args = tf_cnn_flags.translate(line, env)
         assert f"--config.data.global_batch_size={16 * workers}" in args and "--config.distribute.backend=mwms" in args
     assert not tf_cnn_flags.is_tf_cnn_command(["--config=r50_1gpu", "--workdir=w", "--config.benchmark.num_batches=5"])
     # tfscale's own overrides after the line (tfscale.launch adds the backend's) pass through, last, so they win.
