@@ -32,6 +32,16 @@ TENSORBOARD_RUNS = ("train", "validation")  # under WORKDIR/tensorboard
 EVAL_PREFIX = "eval_"  # metrics.jsonl's eval fields; TensorBoard's validation run drops it: eval_top1 -> top1
 
 
+def write_scalars(writer, row: dict) -> None:
+    """A metrics row as TensorBoard scalars at its step (`time` aside), `eval_` prefixes dropped: the tags that
+    training's and validation's runs share."""
+    with writer.as_default(step=int(row["step"])):
+        for key, value in row.items():
+            if key not in ("step", "time"):
+                tf.summary.scalar(key.removeprefix(EVAL_PREFIX), value)
+    writer.flush()
+
+
 class MetricsLogger(keras.callbacks.Callback):
     """Chief-only progress: absl log lines, `metrics.jsonl` rows and TensorBoard scalars (runs `train/` and
     `validation/` under WORKDIR/tensorboard, sharing tag names: loss and top1, and the eval's top5). A training
@@ -131,11 +141,7 @@ class MetricsLogger(keras.callbacks.Callback):
         io.append_line(self.metrics_path, json.dumps(row))  # whole or not at all, even on a full disk
         run = "validation" if any(key.startswith(EVAL_PREFIX) for key in row) else "train"
         try:
-            with self.writers[run].as_default(step=int(row["step"])):
-                for key, value in row.items():
-                    if key not in ("step", "time"):
-                        tf.summary.scalar(key.removeprefix(EVAL_PREFIX), value)
-            self.writers[run].flush()
+            write_scalars(self.writers[run], row)
         except tf.errors.OpError as err:
             raise io.write_error(self.writer_dirs[run], err) from err
 

@@ -227,12 +227,13 @@ def restore_newest_usable(directory: str, restore: Callable[[str], object]) -> s
     return None
 
 
-def restore_model(workdir: str, model, checkpoint: str | None = None) -> tuple[str, int]:
+def restore_model(workdir: str, model, checkpoint: str | None = None, optimizer=None) -> tuple[str, int]:
     """`model`'s weights and the global step from `checkpoint` (a prefix `W/checkpoints/ckpt-N`), or from
     the newest checkpoint of `workdir` that reads back whole, as a resumed run would; (prefix, step).
-    The checkpoint's optimizer is left out (export and init_from need only the model)."""
+    The checkpoint's optimizer is left out (export and init_from need only the model), unless `optimizer` is
+    given (built: the evaluator's EMA lives in its slots)."""
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    state = tf.train.Checkpoint(model=model, global_step=step)
+    state = tf.train.Checkpoint(model=model, global_step=step, **({"optimizer": optimizer} if optimizer else {}))
 
     def restore(prefix: str) -> None:
         state.restore(prefix).assert_existing_objects_matched().expect_partial()

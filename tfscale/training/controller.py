@@ -21,6 +21,7 @@ import math
 import signal
 import threading
 import time
+from typing import Callable
 
 import keras
 import tensorflow as tf
@@ -184,11 +185,8 @@ def make_evaluator(run: engine.Run, model, callbacks: keras.callbacks.CallbackLi
 
     def evaluate(step: int) -> dict:
         callbacks.on_test_begin()
-        results = eval_once(step)
+        results = raw_and_ema(lambda weights: eval_once(step, weights), model, model.optimizer)
         if use_ema:
-            with ema.swapped_in(model, model.optimizer):
-                averaged = eval_once(step, " (EMA weights)")
-            results.update({f"{key}_ema": averaged[key] for key in ("eval_top1", "eval_top5", "eval_loss")})
             logging.info("eval at step %d: top-1 %.4f  top-5 %.4f  loss %.4f  EMA weights: top-1 %.4f  top-5 %.4f  "
                          "loss %.4f  (%d examples)", step, results["eval_top1"], results["eval_top5"],
                          results["eval_loss"], results["eval_top1_ema"], results["eval_top5_ema"],
@@ -200,6 +198,17 @@ def make_evaluator(run: engine.Run, model, callbacks: keras.callbacks.CallbackLi
         return results
 
     return evaluate
+
+
+def raw_and_ema(eval_once: Callable[[str], dict], model, optimizer) -> dict:
+    """`eval_once("")` on the raw weights and, when the optimizer keeps an EMA, `eval_once(" (EMA weights)")` on
+    the averages swapped in: their top-1, top-5 and loss join the row as `eval_*_ema`."""
+    results = eval_once("")
+    if ema.is_on(optimizer):
+        with ema.swapped_in(model, optimizer):
+            averaged = eval_once(" (EMA weights)")
+        results.update({f"{key}_ema": averaged[key] for key in ("eval_top1", "eval_top5", "eval_loss")})
+    return results
 
 
 class EndOfRun:

@@ -26,8 +26,8 @@ from absl import logging
 
 from tfscale import io
 from tfscale.model import ema
-from tfscale.training import checkpoints, engine, init_from
-from tfscale.training.callbacks import EVAL_PREFIX
+from tfscale.training import checkpoints, controller, engine, init_from
+from tfscale.training.callbacks import EVAL_PREFIX, write_scalars
 from tfscale.workdir import layout
 
 EVALUATIONS = "evaluations.jsonl"  # WORKDIR/evaluations.jsonl: a row per checkpoint evaluated here
@@ -70,27 +70,9 @@ class Evaluator:
 
     def evaluate(self, checkpoint: str | None = None) -> dict:
         """Restores `checkpoint` (the newest usable one by default) and evaluates it; the recorded row."""
-        step_variable = tf.Variable(0, dtype=tf.int64, trainable=False)
-        parts = {"model": self.model, "global_step": step_variable, **({"optimizer": self.optimizer}
-                                                                       if self.use_ema else {})}
-        state = tf.train.Checkpoint(**parts)
-
-        def restore(prefix: str) -> None:  # every model variable (and EMA) from the checkpoint, or it is refused
-            state.restore(prefix).assert_existing_objects_matched().expect_partial()
-
-        if checkpoint:
-            restore(checkpoint)
-            prefix = checkpoint
-        else:
-            prefix = checkpoints.restore_newest_usable(layout.checkpoints(self.workdir), restore)
-            if prefix is None:
-                raise FileNotFoundError(f"no checkpoint in {layout.checkpoints(self.workdir)}")
-        step = int(step_variable.numpy())
-        results = self._eval_once(step)
-        if self.use_ema:
-            with ema.swapped_in(self.model, self.optimizer):
-                averaged = self._eval_once(step, " (EMA weights)")
-            results.update({f"{key}_ema": averaged[key] for key in ("eval_top1", "eval_top5", "eval_loss")})
+        prefix, step = checkpoints.restore_model(self.workdir, self.model, checkpoint or None,
+                                                 optimizer=self.optimizer if self.use_ema else None)
+        results = controller.raw_and_ema(lambda weights: self._eval_once(step, weights), self.model, self.optimizer)
         row = {"step": step, "checkpoint": os.path.basename(prefix), "split": self.cfg.data.eval_split, **results}
         self._record(row)
         return row
@@ -101,11 +83,7 @@ class Evaluator:
               f"top-5 {row['eval_top5']:.4f}  loss {row['eval_loss']:.4f}{ema_text}  ({row['eval_examples']} examples)",
               flush=True)
         io.append_line(os.path.join(self.workdir, EVALUATIONS), json.dumps({**row, "time": round(time.time(), 3)}))
-        with self.writer.as_default(step=row["step"]):
-            for key, value in row.items():
-                if key.startswith(EVAL_PREFIX):
-                    tf.summary.scalar(key.removeprefix(EVAL_PREFIX), value)
-        self.writer.flush()
+        write_scalars(self.writer, {"step": row["step"], **{k: v for k, v in row.items() if k.startswith(EVAL_PREFIX)}})
 
 
 def continuous(evaluator: Evaluator, timeout_s: float) -> list[dict]:
