@@ -47,6 +47,7 @@ def _config(backend: str):
     cfg.distribute.backend = backend
     cfg.distribute.num_cpu_devices = 2
     cfg.distribute.collective_timeout_s = 60.0  # a collective nobody joins fails instead of hanging
+    cfg.optim.compiled_update = True  # float16 runs on GPUs, whose replicas compile the update (step_modes)
     return cfg
 
 

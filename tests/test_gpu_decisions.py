@@ -320,7 +320,7 @@ CPUS = ["/job:localhost/replica:0/task:0/device:CPU:0"]
 ])
 def test_jit_compile_auto_is_decided_by_the_replicas_and_the_config(overrides, devices, want):
     cfg = load_config("smoke", *overrides)
-    why = step_choices.resolve_jit_compile(cfg, devices)  # what the start-up line says after "auto -> want: "
+    why = step_choices.resolve_compilation(cfg, devices)  # what the start-up line says after "auto -> want: "
     assert cfg.jit_compile is want
     validation.validate(cfg)  # a decided config is a valid one: no XLA conflict is ever chosen
     assert (why is None) == ("--config.jit_compile" in " ".join(overrides))  # a value set is no decision
@@ -328,18 +328,45 @@ def test_jit_compile_auto_is_decided_by_the_replicas_and_the_config(overrides, d
 
 def test_jit_compile_auto_names_why_it_chose_no_xla():
     # The run's start-up line says it (tests/test_train.py reads the CPU case from a real run's log).
-    buckets = step_choices.resolve_jit_compile(load_config("smoke", "--config.distribute.pack_bytes=65536"), GPUS)
+    buckets = step_choices.resolve_compilation(load_config("smoke", "--config.distribute.pack_bytes=65536"), GPUS)
     assert buckets.startswith("config.distribute.pack_bytes=65536 asks for gradient buckets sent while the backward "
                               "pass runs")
-    sync_bn = step_choices.resolve_jit_compile(
+    sync_bn = step_choices.resolve_compilation(
         load_config("smoke", "--config.model.sync_bn=True", "--config.distribute.backend=mwms"), GPUS)
     assert "across workers inside the step, which XLA cannot compile" in sync_bn
-    assert step_choices.resolve_jit_compile(load_config("smoke"), CPUS).startswith("the replicas are CPUs")
+    assert step_choices.resolve_compilation(load_config("smoke"), CPUS).startswith("the replicas are CPUs")
 
 
 def test_a_jit_compile_that_is_neither_auto_nor_a_bool_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"config.jit_compile must be 'auto', True or False, got 'xla'"):
         validation.validate(load_config("smoke", "--config.jit_compile=xla"))
+
+
+@pytest.mark.parametrize("overrides, devices, want", [
+    ((), GPUS, True),  # GPU replicas: one XLA call instead of the update's ~1,800 kernel launches
+    ((), CPUS, False),  # CPU replicas: Keras' op-by-op update, the faster one there (docs/benchmarking.md)
+    (("--config.jit_compile=True",), CPUS, False),  # decided by the replicas, not by the pass's XLA
+    (("--config.jit_compile=False",), GPUS, True),
+    (("--config.optim.compiled_update=True",), CPUS, True),  # a value set stays
+    (("--config.optim.compiled_update=False",), GPUS, False),
+])
+def test_compiled_update_auto_is_decided_by_the_replicas(overrides, devices, want, monkeypatch):
+    from tfscale.config import step_modes
+
+    logged = []
+    monkeypatch.setattr(step_modes.logging, "info", lambda message, *args: logged.append(message % args))
+    cfg = load_config("smoke", *overrides)
+    step_choices.resolve_compilation(cfg, devices)
+    assert cfg.optim.compiled_update is want
+    validation.validate(cfg)
+    decided = [line for line in logged if line.startswith("config.optim.compiled_update=auto")]
+    set_by_user = "--config.optim.compiled_update" in " ".join(overrides)
+    assert len(decided) == (0 if set_by_user else 1) and (set_by_user or f"auto -> {want}:" in decided[0])
+
+
+def test_a_compiled_update_that_is_neither_auto_nor_a_bool_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"config.optim.compiled_update must be 'auto', True or False, got 'yes'"):
+        validation.validate(load_config("smoke", "--config.optim.compiled_update=yes"))
 
 
 def test_a_model_whose_layer_cannot_be_compiled_falls_back_as_keras_does(caplog):

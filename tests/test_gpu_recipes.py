@@ -53,13 +53,15 @@ def test_the_default_gpu_run_is_float32_with_xla_and_one_message(recipe, tmp_pat
     # recipe, XLA-compiled (Keras 3's BatchNorm is fused only then), the gradients as one message after the
     # backward pass (no buckets: nothing leaves an XLA call before it ends).
     cfg = load_config(recipe, f"--config.data.data_dir={tmp_path}")
-    step_choices.resolve_jit_compile(cfg, GPU_REPLICA)
+    step_choices.resolve_compilation(cfg, GPU_REPLICA)
     assert (cfg.precision, cfg.jit_compile, cfg.distribute.pack_bytes) == ("float32", True, 0)
+    assert cfg.optim.compiled_update is True  # the update as one XLA call, not ~1,800 kernel launches
     validation.validate(cfg)
     assert validation.bucket_warning(cfg) is None
     on_cpu = load_config(recipe, f"--config.data.data_dir={tmp_path}")
-    step_choices.resolve_jit_compile(on_cpu, CPU_REPLICA)
+    step_choices.resolve_compilation(on_cpu, CPU_REPLICA)
     assert on_cpu.jit_compile is False  # Keras' compile leaves XLA off on CPU-only machines too
+    assert on_cpu.optim.compiled_update is False  # Keras' update, the faster one on CPU cores
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

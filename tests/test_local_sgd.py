@@ -176,7 +176,9 @@ def mwms_sync(tmp_path_factory):
 
 @pytest.mark.slow
 def test_mwms_local_sgd_with_period_1_equals_synchronous(tmp_path, mwms_sync):
-    final, _, summary, _ = launch(2, "mwms", tmp_path, *LOCAL, "--config.distribute.sync_period=1")
+    # Each replica's update compiled (a GPU's default), the synchronous reference with Keras' (a CPU's).
+    final, _, summary, _ = launch(2, "mwms", tmp_path, *LOCAL, "--config.distribute.sync_period=1",
+                                  "--config.optim.compiled_update=True")
     reference, _, _, _ = mwms_sync
     assert_weights_close(final[0], final[1], rtol=0, atol=0)
     # Averaging the weights after each local step (momentum too) is averaging the gradients, up to float

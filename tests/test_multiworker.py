@@ -119,9 +119,11 @@ def one_worker_global_batch(tmp_path_factory):
 @pytest.mark.slow
 def test_two_workers_agree_and_equal_one_worker_with_the_global_batch(tmp_path, one_worker_global_batch):
     workdir = str(tmp_path / "run")
-    # The gradients all-reduced in 64 KiB buckets (the smoke model's 315 KB in 6), the last layer's first.
+    # The gradients all-reduced in 64 KiB buckets (the smoke model's 315 KB in 6), the last layer's first, and
+    # applied by the compiled update (a GPU replica's default) where the reference runs Keras' (a CPU's).
     args = lambda rank: [DRIVER, str(tmp_path / f"w{rank}.npz"), *SHORT, f"--workdir={workdir}",  # noqa: E731
-                         "--config.distribute.backend=mwms", "--config.distribute.pack_bytes=65536"]
+                         "--config.distribute.backend=mwms", "--config.distribute.pack_bytes=65536",
+                         "--config.optim.compiled_update=True"]
     ports = launch.free_ports(2)
     procs = [
         subprocess.Popen([sys.executable, *args(rank)], cwd=REPO,

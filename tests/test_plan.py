@@ -406,10 +406,10 @@ def test_pack_bytes_auto_is_the_planners_bucket_for_the_jobs_system_and_size(tmp
 
 
 def test_pack_bytes_auto_leaves_xla_on_and_anything_else_is_refused_by_name():
-    from tfscale.config import ConfigError, validation
+    from tfscale.config import ConfigError, step_modes, validation
 
     cfg = load_config("smoke", "--config.distribute.pack_bytes=auto")
-    assert validation.xla_conflict(cfg) is None and validation.bucket_warning(cfg) is None
+    assert step_modes.xla_conflict(cfg) is None and validation.bucket_warning(cfg) is None
     with pytest.raises(ConfigError, match=r"config.distribute.pack_bytes must be >= 0 .* or 'auto', got 'big'"):
         validation.validate(load_config("smoke", "--config.distribute.pack_bytes=big"))
 

@@ -42,7 +42,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfscale import compat
-from tfscale.config import validation
+from tfscale.config import step_modes
 from tfscale.errors import EXIT_CLUSTER_UNAVAILABLE, ClusterUnavailable
 
 # How much later than `connect_timeout_s` the watchdog steps in when TensorFlow times out the
@@ -307,7 +307,7 @@ def _communication_options(dist_cfg: ml_collections.ConfigDict,
                            implementation: str) -> tf.distribute.experimental.CommunicationOptions:
     """MWMS's all-reduce options; `implementation` is `devices.collective_implementation`'s choice (AUTO resolved)."""
     return tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=validation.fixed_pack_bytes(dist_cfg),  # auto: tfscale's own buckets, sized at start
+        bytes_per_pack=step_modes.fixed_pack_bytes(dist_cfg),  # auto: tfscale's own buckets, sized at start
         timeout_seconds=dist_cfg.collective_timeout_s or None,
         implementation=getattr(tf.distribute.experimental.CommunicationImplementation, implementation),
     )

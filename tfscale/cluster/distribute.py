@@ -42,7 +42,7 @@ from tfscale.cluster.collectives import Collectives, HorovodCollectives, InputFn
 from tfscale.cluster.slurm_env import (CONCURRENT_SLURM_STEPS, PORTS_PER_SLURM_STEP, SLURM_PORT_RANGE,  # noqa: F401
                                        expand_hostlist, expand_tasks_per_node, slurm_num_tasks, slurm_port_base,
                                        slurm_tf_config)
-from tfscale.config import BACKENDS, validation
+from tfscale.config import BACKENDS, step_modes
 from tfscale.config.rules import num_households
 
 
@@ -184,7 +184,7 @@ def _strategy_cluster(dist_cfg: ml_collections.ConfigDict, strategy: tf.distribu
         host=socket.gethostname(),
         all_reduce=_strategy_all_reduce(dist_cfg.backend, strategy.num_replicas_in_sync, implementation),
         _collectives=StrategyCollectives(strategy, dist_cfg.device_prefetch_batches,
-                                         bucket_bytes=validation.fixed_pack_bytes(dist_cfg),
+                                         bucket_bytes=step_modes.fixed_pack_bytes(dist_cfg),
                                          household_size=_household_size(dist_cfg, strategy.num_replicas_in_sync),
                                          communication_hint=devices.communication_hint(implementation)),
     )
@@ -229,7 +229,7 @@ def _horovod_cluster(dist_cfg: ml_collections.ConfigDict, env: dict) -> Cluster:
         host=socket.gethostname(),
         all_reduce=_horovod_all_reduce(hvd, num_gpus, dist_cfg.horovod_fp16_allreduce),
         _collectives=HorovodCollectives(hvd, strategy, fp16_allreduce=dist_cfg.horovod_fp16_allreduce,
-                                        bucket_bytes=validation.fixed_pack_bytes(dist_cfg),
+                                        bucket_bytes=step_modes.fixed_pack_bytes(dist_cfg),
                                         device_prefetch_batches=dist_cfg.device_prefetch_batches,
                                         household=_horovod_household(hvd, dist_cfg)),
     )

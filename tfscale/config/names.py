@@ -27,7 +27,7 @@ IMAGENET_1K_COUNTS = {"num_classes": 1000, "num_train_examples": 1_281_167, "num
 
 DATASETS = ("synthetic", "synthetic_learnable", "tfrecord", "tfds")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
-JIT_AUTO = "auto"  # config.jit_compile's default, resolved by tfscale.config.validation.resolve_jit_compile
+JIT_AUTO = "auto"  # config.jit_compile's and optim.compiled_update's default, resolved by tfscale.config.step_modes
 PACK_AUTO = "auto"  # config.distribute.pack_bytes from the plan, resolved by tfscale.planning.plan_workload.auto_pack_bytes
 BACKENDS = ("one_device", "mirrored", "mwms", "horovod")
 MODEL_NAMES = (  # the keys of tfscale.model.models.MODELS

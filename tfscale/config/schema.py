@@ -96,7 +96,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.nesterov = False  # Nesterov momentum
     c.optim.weight_decay = 1e-4  # L2 on conv/dense kernels only (BN and biases are not decayed)
     c.optim.label_smoothing = 0.0  # cross-entropy targets (1 - s) * one_hot + s / num_classes; 0.1 in the large-batch LARS recipes
-    c.optim.compiled_update = True  # the update (finite check, unscaling, clipping, momentum/LARS, EMA) as one XLA-compiled function per replica
+    # The update (finite check, unscaling, clipping, momentum/LARS, EMA) as one XLA-compiled function per replica:
+    # auto (on GPU replicas, where it saves ~1,800 kernel launches a ResNet-50 step; off on CPU ones) | True | False
+    c.optim.compiled_update = ml_collections.FieldReference(JIT_AUTO, field_type=object)
     c.optim.clip_global_norm = 0.0  # clip the all-reduced (averaged) gradients to this global L2 norm before the update (0: off)
     c.optim.lars_eta = 0.001  # LARS trust coefficient
     c.optim.lars_epsilon = 0.0  # LARS denominator epsilon

@@ -13,11 +13,12 @@ import os
 import ml_collections
 from absl import logging
 
-from tfscale.config import rules
+from tfscale.config import rules, step_modes
 from tfscale.config.derived import eval_global_batch_size, profile_window
 from tfscale.config.names import (ASSIGNMENT_LEVELS, ASSIGNMENT_SCHEMES, AUGMENTS, AUTO_LABEL_OFFSET, BACKENDS,
                                   BATCH_AUGMENTS, BENCHMARK_MODES, CONVERT_HINT, DALI_DECODES, DALI_INSTALL_HINT,
-                                  DATASETS, JIT_AUTO, LARGE_BATCH_WITHOUT_LARS, PACK_AUTO, LOADERS, MODEL_NAMES, OPTIMIZERS, PRECISIONS,
+                                  DATASETS, LARGE_BATCH_WITHOUT_LARS, PACK_AUTO, LOADERS, MODEL_NAMES, OPTIMIZERS,
+                                  PRECISIONS,
                                   SHUFFLES, SYNTHETIC_DATASETS)
 from tfscale.errors import ConfigError
 
@@ -141,7 +142,8 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
             "synchronized BatchNormalization cannot see other Horovod ranks. Set config.model.sync_bn=False "
             "(each rank normalises over its own batch, as in Horovod's ResNet examples)"
         )
-    _check_jit_compile(cfg.jit_compile)
+    step_modes.check_auto_or_bool("jit_compile", cfg.jit_compile)
+    step_modes.check_auto_or_bool("optim.compiled_update", cfg.optim.compiled_update)
     _check_xla_sync_bn(cfg)
     _check_horovod_fp16(cfg)
     pack = cfg.distribute.pack_bytes
@@ -182,64 +184,13 @@ def validate(cfg: ml_collections.ConfigDict, num_replicas: int | None = None) ->
         )
 
 
-def xla_conflict(cfg: ml_collections.ConfigDict) -> str | None:
-    """What in `cfg` XLA cannot give (None: nothing). `jit_compile=auto` then runs without XLA: the key the
-    user set wins over a default."""
-    if fixed_pack_bytes(cfg.distribute) > 0:  # auto follows XLA's choice instead
-        return (f"config.distribute.pack_bytes={cfg.distribute.pack_bytes} asks for gradient buckets sent while the "
-                "backward pass runs, and inside one XLA call no gradient leaves before the pass ends (set "
-                "jit_compile=True and pack_bytes=0 to prefer XLA's compute)")
-    if cfg.model.sync_bn and cfg.distribute.backend == "mwms":
-        return ("config.model.sync_bn=True under mwms all-reduces BatchNorm statistics across workers inside the "
-                "step, which XLA cannot compile")
-    return None
-
-
-def fixed_pack_bytes(dist_cfg: ml_collections.ConfigDict) -> int:
-    """`distribute.pack_bytes` as set, 0 while it is still `auto` (decided once the job's size is known)."""
-    return 0 if dist_cfg.pack_bytes == PACK_AUTO else dist_cfg.pack_bytes
-
-
-def resolve_jit_compile(cfg: ml_collections.ConfigDict, *, on_gpus: bool) -> str | None:
-    """Turns `jit_compile="auto"` into True or False in place (once: config.json records the choice); returns
-    why, as logged (None: the value was set, nothing decided).
-
-    As Keras 3's `compile(jit_compile="auto")` decides on TensorFlow (keras/src/trainers/trainer.py,
-    `_resolve_auto_jit_compile`): no XLA on a CPU-only worker, XLA where the replicas are GPUs. Keras also
-    leaves XLA off under any tf.distribute strategy; tfscale does not, because its XLA function is one
-    replica's forward and backward pass with no collective inside (training/engine.make_loss_and_grads),
-    the shape NVIDIA's multi-GPU ResNet-50 runs compile. A config asking for what XLA cannot give
-    (`xla_conflict`) runs without it, and a model whose layers cannot be compiled falls back at build time,
-    as in Keras (tfscale.model.build.check_xla). Every choice is logged.
-    """
-    _check_jit_compile(cfg.jit_compile)
-    if isinstance(cfg.jit_compile, bool):
-        return None
-    conflict = xla_conflict(cfg)
-    if not on_gpus:
-        reason = ("the replicas are CPUs, where Keras' compile leaves XLA off too (on a CPU with oneDNN, TensorFlow's "
-                  "default on AVX-512 CPUs, the step without XLA is the faster one: docs/benchmarking.md)")
-    elif conflict:
-        reason = conflict
-    else:
-        reason = "XLA compiles each GPU replica's forward and backward pass (--config.jit_compile=False turns it off)"
-    cfg.jit_compile = on_gpus and not conflict
-    logging.info("config.jit_compile=auto -> %s: %s", cfg.jit_compile, reason)
-    return reason
-
-
-def _check_jit_compile(value) -> None:
-    if not (isinstance(value, bool) or value == JIT_AUTO):
-        raise ConfigError(f"config.jit_compile must be {JIT_AUTO!r}, True or False, got {value!r}")
-
-
 def bucket_warning(cfg: ml_collections.ConfigDict) -> str | None:
     """Why `distribute.pack_bytes` buckets cannot overlap the backward pass in this config (None: they can, or
     there are none). The planner predicts no overlap for such a config either."""
-    pack = fixed_pack_bytes(cfg.distribute)
+    pack = step_modes.fixed_pack_bytes(cfg.distribute)
     if pack <= 0:
         return None
-    if cfg.jit_compile is True:  # auto is decided at start, and buckets turn it off (xla_conflict)
+    if cfg.jit_compile is True:  # auto is decided at start, and buckets turn it off (step_modes.xla_conflict)
         return (f"config.distribute.pack_bytes={pack} with config.jit_compile=True: XLA computes every gradient at "
                 "once, so no bucket goes out before the backward pass ends and the buckets only add all-reduces; "
                 "set pack_bytes=0 (one message) or jit_compile=False")

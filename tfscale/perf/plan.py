@@ -20,7 +20,7 @@ import os
 import sys
 
 from tfscale import cli, errors, io
-from tfscale.config import validation
+from tfscale.config import step_modes
 from tfscale.config.names import PACK_AUTO
 from tfscale.perf import scaling
 from tfscale.planning import plan_band, plan_published
@@ -178,7 +178,7 @@ def _read_report(path: str, key: str) -> dict:
 
 
 def run_plan(cfg, flags_) -> list[dict]:
-    validation.resolve_jit_compile(cfg, on_gpus=True)  # as a GPU worker will: it decides whether buckets overlap
+    step_modes.resolve(cfg, on_gpus=True)  # as a GPU worker will: XLA decides whether buckets overlap
     if cfg.distribute.pack_bytes == PACK_AUTO:  # as the job would decide it at the largest count planned
         cfg.distribute.plan_system = cfg.distribute.plan_system or flags_.system
         largest = max([int(n) for n in flags_.gpus] or [flags_.max_gpus])

@@ -70,7 +70,7 @@ def join(cfg: ml_collections.ConfigDict) -> distribute.Cluster:
     data_info.check_tfds_counts(cfg.data, found)
     build.check(cfg)  # a model tfscale did not define is built once, in a graph of its own, before connecting
     cluster = distribute.setup(cfg.distribute)
-    step_choices.resolve_jit_compile(cfg, cluster.strategy.extended.worker_devices)
+    step_choices.resolve_compilation(cfg, cluster.strategy.extended.worker_devices)
     step_choices.resolve_pack_bytes(cfg, cluster)
     validation.validate(cfg, num_replicas=cluster.num_replicas)
     data_info.check_tfds_files(cfg.data, num_workers=cluster.size)
@@ -191,7 +191,8 @@ def make_loss_and_grads(cfg, cluster, model, optimizer, *, local: bool = False):
         shares = tf.stack([tf.reduce_sum(per_example), tf.reduce_sum(top1_hits(labels, logits))]) / global_batch_size
         return shares, tape.gradient(scaled, model.trainable_variables)
 
-    step_choices.resolve_jit_compile(cfg, cluster.strategy.extended.worker_devices)  # done by `join` unless a tool skipped it
+    # Done by `join` unless a tool skipped it.
+    step_choices.resolve_compilation(cfg, cluster.strategy.extended.worker_devices)
     if cfg.jit_compile:
         # XLA compiles forward + backward only: the iterator and the cross-replica gradient
         # all-reduce inside apply_gradients cannot live in an XLA cluster.

@@ -1,6 +1,6 @@
-"""How a run's step is compiled and sends its gradients, decided once the cluster is up: `jit_compile=auto`
-and `distribute.pack_bytes=auto` become values (logged, and recorded in config.json by the chief), and the
-combinations the replicas cannot run are refused before anything is written.
+"""How a run's step is compiled and sends its gradients, decided once the cluster is up: `jit_compile=auto`,
+`optim.compiled_update=auto` and `distribute.pack_bytes=auto` become values (logged, and recorded in config.json
+by the chief), and the combinations the replicas cannot run are refused before anything is written.
 """
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ from absl import logging
 
 from tfscale import errors
 from tfscale.cluster import distribute
-from tfscale.config import validation
+from tfscale.config import step_modes
 from tfscale.config.names import PACK_AUTO
 from tfscale.planning import plan_workload
 
 
-def resolve_jit_compile(cfg: ml_collections.ConfigDict, worker_devices) -> str | None:
-    """`jit_compile="auto"` decided for this worker's replicas (`validation.resolve_jit_compile`); returns why."""
+def resolve_compilation(cfg: ml_collections.ConfigDict, worker_devices) -> str | None:
+    """`jit_compile="auto"` and `optim.compiled_update="auto"` decided for this worker's replicas
+    (tfscale.config.step_modes); returns why XLA is on or off for the forward and backward pass."""
     on_gpus = all(tf.DeviceSpec.from_string(device).device_type == "GPU" for device in worker_devices)
-    return validation.resolve_jit_compile(cfg, on_gpus=on_gpus)
+    return step_modes.resolve(cfg, on_gpus=on_gpus)
 
 
 def resolve_pack_bytes(cfg: ml_collections.ConfigDict, cluster: distribute.Cluster) -> None:
