@@ -302,7 +302,7 @@ def test_horovod_with_a_gpu_and_no_nccl_warns_of_host_copies():
     assert devices.horovod_host_copy_warning(0, nccl_built=False) is None  # a CPU run copies nothing
 
 
-# --- jit_compile=auto --------------------------------------------------------------------------------------
+# --- jit_compile=auto, optim.compiled_update=auto -----------------------------------------------------------
 
 GPUS = ["/job:worker/replica:0/task:0/device:GPU:0", "/job:worker/replica:0/task:0/device:GPU:1"]
 CPUS = ["/job:localhost/replica:0/task:0/device:CPU:0"]

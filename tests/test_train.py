@@ -168,10 +168,12 @@ def test_cli_trains_then_resumes_instead_of_restarting(tmp_path):
     for step in (30, 60):
         progress = [line for line in lines if re.search(rf"\] eval at step {step}: \d+/16 batches in \d+ s, eta ", line)]
         assert len(progress) == 15, progress  # all but the last batch
-    # jit_compile's default decided as Keras' compile decides it, said once, and recorded.
+    # jit_compile's default decided as Keras' compile decides it, and the update's by the replicas, said, recorded.
     assert "config.jit_compile=auto -> False: the replicas are CPUs" in first.stderr
+    assert "config.optim.compiled_update=auto -> False: the replicas are CPUs" in first.stderr
     with open(os.path.join(workdir, layout.CONFIG)) as f:
-        assert json.load(f)["jit_compile"] is False
+        recorded = json.load(f)
+    assert recorded["jit_compile"] is False and recorded["optim"]["compiled_update"] is False
     # Each message once (absl's line, not TensorFlow's own `INFO:tensorflow:` copy); steps with an ETA.
     assert "INFO:tensorflow:" not in first.stderr
     printed = without_tf_import_notices(first.stderr)
