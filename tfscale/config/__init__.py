@@ -1,7 +1,7 @@
 """tfscale's configuration: every key and its default (schema), the names each key accepts (names), the
 rules for keys that work together (rules), what is derived from a config (derived: epochs become steps
-there and nowhere else), reading a recipe file (files), the rules for the `auto` keys of how a step runs (step_modes) and
-`validate` (validation).
+there and nowhere else), reading a recipe file (files), the rules for the `auto` keys of how a step runs
+(step_modes) and `validate` (validation).
 
 This face is what recipe files and user code import (`from tfscale.config import base_config`); tfscale's
 own modules import the module that owns a name. Nothing here imports TensorFlow or any other part of

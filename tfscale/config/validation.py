@@ -18,8 +18,7 @@ from tfscale.config.derived import eval_global_batch_size, profile_window
 from tfscale.config.names import (ASSIGNMENT_LEVELS, ASSIGNMENT_SCHEMES, AUGMENTS, AUTO_LABEL_OFFSET, BACKENDS,
                                   BATCH_AUGMENTS, BENCHMARK_MODES, CONVERT_HINT, DALI_DECODES, DALI_INSTALL_HINT,
                                   DATASETS, LARGE_BATCH_WITHOUT_LARS, PACK_AUTO, LOADERS, MODEL_NAMES, OPTIMIZERS,
-                                  PRECISIONS,
-                                  SHUFFLES, SYNTHETIC_DATASETS)
+                                  PRECISIONS, SHUFFLES, SYNTHETIC_DATASETS)
 from tfscale.errors import ConfigError
 
 
