@@ -72,7 +72,7 @@ def make_update(optimizer: keras.optimizers.Optimizer, variables):
         if inner.use_ema:
             inner._update_model_variables_moving_average(variables)
 
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=True, autograph=False)  # no Python branch on a tensor: tf.cond below
     def compiled(grads):
         if not loss_scaled:
             apply(grads)

@@ -112,7 +112,7 @@ def make_batch_step(cfg, cluster, model, optimizer):
     # A worker's sums are its shares of the global batch's mean loss and top-1: 1 / workers of each on average.
     to_worker_mean = tf.constant([float(cluster.size), float(cluster.size), 1.0])
 
-    @tf.function
+    @tf.function(autograph=False)  # as training's step (engine.STEP_FUNCTIONS_WITHOUT_AUTOGRAPH)
     def batch_step(batch):
         return engine.run_replica_step(cluster, replica_step, *batch, no_stop) * to_worker_mean
 
@@ -128,7 +128,7 @@ def make_forward_backward_step(cfg, cluster, model, optimizer):
         # One element of every gradient, so none is pruned, at no cost worth measuring.
         return shares[0] + tf.add_n([tf.reshape(g, [-1])[0] for g in grads])
 
-    @tf.function
+    @tf.function(autograph=False)
     def forward_backward(batch):
         # Local results only: reducing them across workers would add a collective to the figure.
         return cluster.strategy.experimental_local_results(cluster.strategy.run(replica_fn, args=batch))

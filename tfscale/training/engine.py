@@ -141,6 +141,9 @@ def build_model_and_optimizer(cfg: ml_collections.ConfigDict, cluster) -> tuple[
 
 
 # --- the training step --------------------------------------------------------------------------------
+# STEP_FUNCTIONS_WITHOUT_AUTOGRAPH: step functions are traced as written (`tf.function(autograph=False)`), as Keras
+# 3.15's `fit` traces its own (keras/src/backend/tensorflow/trainer.py lines 131, 150): loops are tf.while_loop,
+# tensor branches tf.cond/tf.where; converting what a step calls cost ~0.7 s of CPU a process (docs/training.md).
 
 
 def cross_entropy(labels, logits, num_classes: int, label_smoothing: float):
@@ -196,7 +199,7 @@ def make_loss_and_grads(cfg, cluster, model, optimizer, *, local: bool = False):
     if cfg.jit_compile:
         # XLA compiles forward + backward only: the iterator and the cross-replica gradient
         # all-reduce inside apply_gradients cannot live in an XLA cluster.
-        loss_and_grads = tf.function(loss_and_grads, jit_compile=True)
+        loss_and_grads = tf.function(loss_and_grads, jit_compile=True, autograph=False)
     return accumulate(loss_and_grads, micro_batches, model.trainable_variables)
 
 
@@ -213,14 +216,14 @@ def accumulate(loss_and_grads, micro_batches: int, variables):
     def accumulated(images, labels):
         image_slices = tf.reshape(images, [micro_batches, -1, *images.shape[1:]])
         label_slices = tf.reshape(labels, [micro_batches, -1, *labels.shape[1:]])
-        # Sums start at zero rather than at slice 0's result, so the loop body is traced once.
-        share_sums = tf.zeros([2])
-        grad_sums = [tf.zeros(v.shape, v.dtype) for v in variables]
-        for i in tf.range(micro_batches):
+
+        def add_slice(i, share_sums, grad_sums):
             shares, grads = loss_and_grads(image_slices[i], label_slices[i])
-            share_sums += shares
-            grad_sums = [total + grad for total, grad in zip(grad_sums, grads)]
-        return share_sums, grad_sums
+            return i + 1, share_sums + shares, [total + grad for total, grad in zip(grad_sums, grads)]
+
+        # Sums start at zero rather than at slice 0's result, so the loop body is traced once.
+        start = (tf.constant(0), tf.zeros([2]), [tf.zeros(v.shape, v.dtype) for v in variables])
+        return tf.while_loop(lambda i, *_: i < micro_batches, add_slice, start, maximum_iterations=micro_batches)[1:]
 
     return accumulated
 
@@ -302,20 +305,20 @@ def compiled_loop(global_step, optimizer, step: tf.Variable, learning_rate, job_
     the LR set before and `step` advanced after each; then `after_last_step()`, if given, and `job_sums` of
     every step's sums in one call."""
 
-    @tf.function
+    @tf.function(autograph=False)  # see STEP_FUNCTIONS_WITHOUT_AUTOGRAPH above
     def train_loop(iterator, stop_requested, num_steps):
         # A step's only collective is its gradients' all-reduce: each reads the weights the previous
         # one wrote, so they run in order (Horovod refuses a collective whose name, the same in every
         # iteration, is still in flight).
-        per_step = tf.TensorArray(tf.float32, size=num_steps)  # [loss, top-1] of each step
-        stopping = tf.constant(0.0)
-        for i in tf.range(num_steps):
+        def one_step(i, per_step, stopping):  # per_step: [loss, top-1] of each step; stopping: the last step's
             if learning_rate is not None:
                 optimizer.learning_rate.assign(learning_rate(step))
             sums = global_step(iterator, stop_requested)
             step.assign_add(1)
-            per_step = per_step.write(i, sums[:2])
-            stopping = sums[2]
+            return i + 1, per_step.write(i, sums[:2]), sums[2]
+
+        init = (tf.constant(0), tf.TensorArray(tf.float32, size=num_steps), tf.constant(0.0))
+        _, per_step, stopping = tf.while_loop(lambda i, *_: i < num_steps, one_step, init, maximum_iterations=num_steps)
         if after_last_step is not None:
             after_last_step()
         sums = job_sums(tf.concat([tf.reshape(tf.transpose(per_step.stack()), [-1]), [stopping]], axis=0))
@@ -339,7 +342,7 @@ def make_eval_step(cfg, cluster, model):
         # Sums, not means: padded examples (mask 0) drop out and the totals add across replicas exactly.
         return tf.stack([tf.reduce_sum(x * mask) for x in (per_example, top1, top5, mask)])
 
-    @tf.function
+    @tf.function(autograph=False)  # see STEP_FUNCTIONS_WITHOUT_AUTOGRAPH above
     def eval_step(iterator):
         sums = cluster.strategy.run(replica_step, args=next(iterator))
         return cluster.sum_over_processes(tf.add_n(cluster.strategy.experimental_local_results(sums)))

@@ -81,7 +81,7 @@ def make_state_sync(cluster, variables, *, household: bool, counter: tf.Variable
     def replica_mean():
         return mean([tf.identity(_tf_variable(v)) for v in variables])  # this replica's copies
 
-    @tf.function
+    @tf.function(autograph=False)  # as training's step (engine.STEP_FUNCTIONS_WITHOUT_AUTOGRAPH)
     def sync():
         means = strategy.run(replica_mean)
         with strategy.scope():
