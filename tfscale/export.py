@@ -175,7 +175,7 @@ def serving_function(model: keras.Model, data_cfg: ml_collections.ConfigDict, na
             encoded, image_size=image_size, augment=data_cfg.augment, crop_fraction=data_cfg.eval_crop_fraction
         )
 
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="images")])
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="images")], autograph=False)
     def serve(images):
         pixels = tf.map_fn(preprocess_one, images,
                            fn_output_signature=tf.TensorSpec([image_size, image_size, 3], tf.uint8))

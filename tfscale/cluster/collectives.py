@@ -186,7 +186,7 @@ class StrategyCollectives(Collectives):
         # A strategy reduce sums over replicas; each worker's replicas share its row.
         share = tf.constant(rows / (self.strategy.num_replicas_in_sync // len(rows)))
 
-        @tf.function
+        @tf.function(autograph=False)
         def sum_rows():
             return self.strategy.reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(lambda: share), axis=None)
 

@@ -316,7 +316,7 @@ def _communication_options(dist_cfg: ml_collections.ConfigDict,
 def preflight_all_reduce(strategy: tf.distribute.Strategy) -> None:
     """Every replica contributes 1; anything but the replica count means the cluster is broken."""
 
-    @tf.function
+    @tf.function(autograph=False)
     def count_replicas():
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)
 

@@ -75,7 +75,7 @@ def make_allreduce(cluster, variables):
         reduced = cluster.reduce_gradients(values)
         return tf.add_n([tf.reshape(r, [-1])[0] for r in reduced])  # keeps every result alive, at no cost
 
-    @tf.function
+    @tf.function(autograph=False)
     def allreduce():
         return cluster.strategy.experimental_local_results(cluster.strategy.run(replica_fn))
 
@@ -97,7 +97,7 @@ def chained_seconds(cluster, message_bytes: int, num_calls: int) -> float:
             (value,) = cluster.reduce_gradients([value])
         return value[:1]  # four bytes to the host, not the buffer
 
-    @tf.function
+    @tf.function(autograph=False)
     def chained():
         return cluster.strategy.experimental_local_results(cluster.strategy.run(replica_fn))
 

@@ -52,7 +52,7 @@ def mwms_all_reduce(cluster) -> tuple[list[float], list[float], str, str]:
     passed as `communication_hint=options.implementation.value` in cross_device_utils.py, TF 2.21)."""
     strategy = cluster.strategy
 
-    @tf.function
+    @tf.function(autograph=False)
     def reduce():
         def replica():
             value = tf.fill([1024], tf.cast(cluster.rank + 1, tf.float32))
