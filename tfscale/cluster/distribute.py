@@ -138,14 +138,8 @@ class Cluster:
         self._collectives.broadcast_from_chief(variables)
 
     def distribute_dataset(self, input_fn: InputFn):
-        """`input_fn`'s dataset for this process, sharded over all processes, placed on its devices.
-
-        Its map functions are traced as written, as the step's are (engine.STEP_FUNCTIONS_WITHOUT_AUTOGRAPH): they
-        branch with tf.cond (data/input/preprocess.py), and AutoGraph's conversion of them cost ~0.5 s of CPU
-        a process reading TFRecords. tf.data converts a map function unless the context that builds it says
-        not to (tensorflow/python/data/ops/structured_function.py: `autograph.tf_convert(self._func, ag_ctx)`);
-        `do_not_convert` is that context."""
-        return self._collectives.distribute_dataset(tf.autograph.experimental.do_not_convert(input_fn))
+        """`input_fn`'s dataset for this process, sharded over all processes, placed on its devices."""
+        return self._collectives.distribute_dataset(input_fn)
 
 
 # --- setup ----------------------------------------------------------------------------------------

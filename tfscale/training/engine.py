@@ -222,8 +222,8 @@ def accumulate(loss_and_grads, micro_batches: int, variables):
             return i + 1, share_sums + shares, [total + grad for total, grad in zip(grad_sums, grads)]
 
         # Sums start at zero rather than at slice 0's result, so the loop body is traced once.
-        start = (tf.constant(0), tf.zeros([2]), [tf.zeros(v.shape, v.dtype) for v in variables])
-        return tf.while_loop(lambda i, *_: i < micro_batches, add_slice, start, maximum_iterations=micro_batches)[1:]
+        init = (tf.constant(0), tf.zeros([2]), [tf.zeros(v.shape, v.dtype) for v in variables])
+        return tf.while_loop(lambda i, *_: i < micro_batches, add_slice, init, maximum_iterations=micro_batches)[1:]
 
     return accumulated
 

@@ -14,15 +14,25 @@ import tensorflow as tf
 from tfscale.data.input import pipeline
 
 
+def _traced_as_written(input_fn: pipeline.InputFn) -> pipeline.InputFn:
+    """`input_fn` building its datasets with AutoGraph off. The map functions branch with tf.cond already
+    (preprocess.py), and converting them cost ~0.5 s of CPU a process reading TFRecords; tf.data converts a map
+    function unless the context that builds the dataset says not to (TensorFlow 2.21,
+    tensorflow/python/data/ops/structured_function.py: `autograph.tf_convert(self._func, ag_ctx)`), and
+    `do_not_convert` is that context. The steps are traced as written too (engine.STEP_FUNCTIONS_WITHOUT_AUTOGRAPH)."""
+    return tf.autograph.experimental.do_not_convert(input_fn)
+
+
 def train_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, start_step: int, data_dir: str | None = None,
                    skipped_images: tf.Variable | None = None) -> pipeline.InputFn:
     """Training batches from global step `start_step` on (`pipeline.train_input_fn` says how each loader resumes)."""
     if data_cfg.loader == "dali":
         from tfscale.data.input import dali
 
-        return dali.train_input_fn(data_cfg, seed=seed, start_step=start_step, data_dir=data_dir or data_cfg.data_dir)
-    return pipeline.train_input_fn(data_cfg, seed=seed, start_step=start_step, data_dir=data_dir,
-                                   skipped_images=skipped_images)
+        return _traced_as_written(dali.train_input_fn(data_cfg, seed=seed, start_step=start_step,
+                                                      data_dir=data_dir or data_cfg.data_dir))
+    return _traced_as_written(pipeline.train_input_fn(data_cfg, seed=seed, start_step=start_step, data_dir=data_dir,
+                                                      skipped_images=skipped_images))
 
 
 def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size: int, num_steps: int,
@@ -31,7 +41,7 @@ def eval_input_fn(data_cfg: ml_collections.ConfigDict, *, seed: int, global_batc
     if data_cfg.loader == "dali":
         from tfscale.data.input import dali
 
-        return dali.eval_input_fn(data_cfg, global_batch_size=global_batch_size, num_steps=num_steps,
-                                  data_dir=data_dir or data_cfg.data_dir)
-    return pipeline.eval_input_fn(data_cfg, seed=seed, global_batch_size=global_batch_size, num_steps=num_steps,
-                                  data_dir=data_dir)
+        return _traced_as_written(dali.eval_input_fn(data_cfg, global_batch_size=global_batch_size,
+                                                     num_steps=num_steps, data_dir=data_dir or data_cfg.data_dir))
+    return _traced_as_written(pipeline.eval_input_fn(data_cfg, seed=seed, global_batch_size=global_batch_size,
+                                                     num_steps=num_steps, data_dir=data_dir))
